@@ -1,0 +1,102 @@
+"""Segment store benchmark: bulk vs row-by-row writes, trainable-group listing at 100K samples,
+data files before/after compaction. Run: `python benchmarks/store_bench.py`.
+
+Writes benchmarks/results/store.json with bulk_tokens_per_s, rowwise_tokens_per_s,
+list_trainable_ms_100k, files_before_compaction, files_after_compaction.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from benchmarks.common import print_rows, write_results  # noqa: E402
+from marsrl_core.store import CATALOG, RewardRow, SampleRow, SegmentRow, SegmentStore  # noqa: E402
+
+RUN = "bench"
+TOKENS = 2000
+
+
+def samples_and_segments(prefix: str, n: int, tokens: int, group: int, rng):
+    samples = [SampleRow(f"{prefix}{i}", f"p{i // group}", "solver", 0, f"{prefix}g{i // group}", group, [1, 2, 3])
+               for i in range(n)]
+    segments = [SegmentRow(s.sample_id, 0, rng.integers(0, 32000, tokens, dtype=np.int32),
+                           -rng.random(tokens, dtype=np.float32), 0, "stop") for s in samples]
+    return samples, segments
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = SegmentStore(f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
+
+        # Bulk path: the store API, 1,000 segments x 2,000 tokens per append, 3 appends.
+        bulk_tokens, bulk_s = 0, 0.0
+        for k in range(3):
+            samples, segments = samples_and_segments(f"b{k}-", 1000, TOKENS, 8, rng)
+            store.append(RUN, samples=samples)
+            start = time.perf_counter()
+            store.append(RUN, segments=segments)
+            bulk_s += time.perf_counter() - start
+            bulk_tokens += 1000 * TOKENS
+
+        # Row-by-row: one INSERT per segment with Python lists bound as parameters.
+        samples, segments = samples_and_segments("r-", 10, TOKENS, 8, rng)
+        store.append(RUN, samples=samples)
+        con = store._con
+        start = time.perf_counter()
+        for s in segments:
+            con.execute(f"INSERT INTO {CATALOG}.segments VALUES (?, ?, ?, ?, ?, ?, ?, current_timestamp)",
+                        [RUN, s.sample_id, 0, s.token_ids.tolist(), s.logprobs.tolist(), 0, "stop"])
+        rowwise_s = time.perf_counter() - start
+        rowwise_tokens = 10 * TOKENS
+
+        # 100K samples (tiny segments), all rewarded, a tenth consumed; time "list trainable groups".
+        for k in range(10):
+            samples, segments = samples_and_segments(f"L{k}-", 10_000, 4, 8, rng)
+            store.append(RUN, samples=samples, segments=segments,
+                         rewards=[RewardRow(s.sample_id, 1.0, True) for s in samples])
+        consumed = [f"L0-{i}" for i in range(10_000)]
+        store.commit_step(RUN, 1, {"solver": consumed}, "ckpt/1")
+        groups = store.trainable_groups(RUN, "solver", limit=64)  # warm-up
+        timings = []
+        for _ in range(7):
+            start = time.perf_counter()
+            groups = store.trainable_groups(RUN, "solver", limit=64)
+            timings.append((time.perf_counter() - start) * 1000)
+        list_ms = statistics.median(timings)
+        samples_total = store.count("samples", RUN)
+        assert len(groups) == 64
+
+        # Many small appends, then compaction.
+        for k in range(30):
+            samples, segments = samples_and_segments(f"c{k}-", 16, 32, 8, rng)
+            store.append(RUN, samples=samples, segments=segments)
+        compaction = store.compact()
+
+    bulk_tps, row_tps = bulk_tokens / bulk_s, rowwise_tokens / rowwise_s
+    print_rows("segment store", ["measure", "value"], [
+        ["bulk write tokens/s (store API, Arrow)", bulk_tps],
+        ["row-by-row tokens/s (bound list params)", row_tps],
+        ["bulk / row-by-row", bulk_tps / row_tps],
+        [f"list trainable groups, {samples_total:,} samples (median ms)", list_ms],
+        ["data files before compaction", compaction["files_before"]],
+        ["data files after compaction", compaction["files_after"]],
+    ])
+    path = write_results("store", {
+        "bulk_tokens_per_s": bulk_tps, "rowwise_tokens_per_s": row_tps, "bulk_over_rowwise": bulk_tps / row_tps,
+        "list_trainable_ms_100k": list_ms, "samples_stored": samples_total,
+        "files_before_compaction": compaction["files_before"], "files_after_compaction": compaction["files_after"],
+    })
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The `marsrl` command: configuration, the store's SQL console, and the jobs.
+
+Every subcommand that runs a job takes the same configuration options: `--preset`, `--config FILE`
+and repeated `--set dotted.key=value` overrides. Errors in user input (config, dataset, store path)
+print one clear line and exit with status 2 instead of a traceback.
+
+Deliberately plain argparse: the command is thin; the work lives in the library and the flows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from marsrl_core.config import ConfigError, MarsRLConfig, config_to_yaml, load_config
+
+console = Console()
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny", help="Preset to start from: tiny (CPU demo) or paper.")
+    parser.add_argument("--config", dest="config_file", default=None, help="YAML file merged over the preset.")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="Override one field, e.g. --set rollout.segment_tokens=1024 (repeatable).")
+
+
+def _config(args: argparse.Namespace) -> MarsRLConfig:
+    return load_config(args.preset, args.config_file, args.overrides)
+
+
+def print_table(table, title: str | None = None, max_rows: int = 200) -> None:
+    """Print a pyarrow table with rich."""
+    view = Table(title=title)
+    for name in table.column_names:
+        view.add_column(name)
+    for row in table.slice(0, max_rows).to_pylist():
+        view.add_row(*["" if v is None else str(v) for v in row.values()])
+    console.print(view)
+    if table.num_rows > max_rows:
+        console.print(f"... {table.num_rows - max_rows} more rows")
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(config_to_yaml(_config(args)), end="")
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    from marsrl_core.store import SegmentStore
+
+    cfg = _config(args)
+    store = SegmentStore.from_config(cfg.store, create=False)
+    if args.query:
+        print_table(store.query(args.query))
+        return 0
+    console.print("MarsRL store console: tables runs, problems, samples, segments, rewards, consumptions, "
+                  "policy_versions, train_steps, rejected_inputs; views rewards_per_agent, pipeline_latency, "
+                  "staleness, in_flight_decodes. End with Ctrl-D.")
+    while True:
+        try:
+            text = input("marsrl> ").strip()
+        except EOFError:
+            return 0
+        if not text:
+            continue
+        try:
+            print_table(store.query(text))
+        except Exception as err:  # an interactive console reports and goes on
+            console.print(f"[red]error:[/red] {err}")
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    from marsrl_core.store import SegmentStore
+
+    store = SegmentStore.from_config(_config(args).store, create=False)
+    result = store.compact()
+    console.print(f"data files: {result['files_before']} -> {result['files_after']}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from marsrl_core.jobs import train
+
+    train(_config(args), console=console)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="marsrl", description="MarsRL: multi-agent reasoning RL "
+                                     "(Solver, Verifier, Corrector) with segment rollouts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands = {
+        "train": (cmd_train, "Run the main job on the configured preset (make train)."),
+        "config": (cmd_config, "Print the resolved configuration as YAML."),
+        "sql": (cmd_sql, "Query a run's store with SQL (works while a run is writing)."),
+        "compact": (cmd_compact, "DuckLake maintenance: merge small files, expire snapshots."),
+    }
+    for name, (handler, help_text) in commands.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        _add_config_options(command)
+        command.set_defaults(handler=handler)
+        if name == "sql":
+            command.add_argument("query", nargs="?", help="SQL to run; without it an interactive prompt opens.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from marsrl_core.problems import DatasetError
+    from marsrl_core.store import StoreError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ConfigError, StoreError, DatasetError) as err:
+        console.print(f"[red]error:[/red] {err}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

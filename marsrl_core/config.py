@@ -1,0 +1,258 @@
+"""Configuration: pydantic models for every knob of a MarsRL run, and the presets.
+
+One `MarsRLConfig` describes a whole run (model, engine, rollout, learner, store, tracking). It is
+loaded from a preset (`tiny` for the CPU demo, `paper` for the MarsRL paper's settings), optionally
+merged with a YAML file, then with `dotted.key=value` overrides from the command line. Every field
+carries a description so that a Prefect form or `--help` can show it. Field names follow TRL's
+`GRPOConfig` where the concept is the same (`num_generations`, `learning_rate`, `beta`, `epsilon`,
+`epsilon_high`, `loss_type`, `scale_rewards`, `max_grad_norm`).
+
+Deliberate simplification: one config type for all flows; flows read only the sections they need.
+Invalid values raise `ConfigError`, whose message names the dotted field and the offending value.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+AGENTS = ("solver", "verifier", "corrector")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(
+        None, description="Local Hugging Face model folder. None builds the tiny model from the fields below."
+    )
+    tiny_hidden_size: int = Field(128, ge=8, description="Tiny model: hidden size.")
+    tiny_num_layers: int = Field(2, ge=1, description="Tiny model: number of transformer layers.")
+    tiny_num_heads: int = Field(4, ge=1, description="Tiny model: attention heads (head_dim must be >= 32 for vLLM).")
+    tiny_max_position_embeddings: int = Field(
+        1024, ge=16, description="Tiny model: context length in tokens (prompt + response)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    max_prompt_tokens: int = Field(
+        512, ge=1, description="Longest prompt accepted; longer dataset rows are rejected (recorded, not loaded)."
+    )
+
+
+class EngineConfig(_Section):
+    name: Literal["hf", "vllm", "openai"] = Field(
+        "hf", description="Generation engine: 'hf' (transformers, CPU default), 'vllm' (in-process), 'openai' (server)."
+    )
+    base_url: str | None = Field(None, description="OpenAI-compatible server URL (engine 'openai'), e.g. http://host:8000/v1.")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of accelerator memory to use.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel degree.")
+
+
+class RolloutConfig(_Section):
+    num_generations: int = Field(8, ge=1, description="Solver samples per problem (the GRPO group size for the Solver).")
+    downstream_generations: int = Field(
+        8, ge=1, description="Samples per selected input for the Verifier and Corrector (their GRPO group size)."
+    )
+    select_inputs: int = Field(2, ge=1, description="Upstream outputs each downstream agent selects per problem.")
+    selection: Literal["adaptive", "balanced", "random"] = Field(
+        "adaptive", description="How downstream agents pick their inputs (paper ablation: adaptive > balanced > random)."
+    )
+    explore: float = Field(0.25, ge=0, le=1, description="Adaptive selection: fraction of picks made at random.")
+    max_turns: int = Field(5, ge=1, le=5, description="Agent turns per trajectory: Solver, Verifier, Corrector, Verifier, Corrector.")
+    segment_tokens: int = Field(16384, ge=1, description="Tokens decoded per segment before an output is handed back.")
+    solver_max_tokens: int = Field(65536, ge=1, description="Solver response budget in tokens.")
+    verifier_max_tokens: int = Field(16384, ge=1, description="Verifier response budget in tokens.")
+    corrector_max_tokens: int = Field(32768, ge=1, description="Corrector response budget in tokens.")
+    temperature: float = Field(0.85, ge=0, description="Sampling temperature for training rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
+    max_staleness: int = Field(2, ge=0, description="Most policy versions a sample may span; admission pauses beyond it.")
+    problems_per_batch: int = Field(128, ge=1, description="Problems admitted per rollout batch.")
+    reward_mode: Literal["decoupled", "shared"] = Field(
+        "decoupled", description="'decoupled': each agent rewarded for its own job; 'shared': every turn gets the final outcome."
+    )
+    truncated_reward: float = Field(0.0, description="Reward given to an output cut off by its agent's budget.")
+    synchronous: bool = Field(False, description="Baseline: decode whole trajectories before the learner sees any.")
+
+    def max_tokens(self, agent: str) -> int:
+        """The response budget of `agent`."""
+        return getattr(self, f"{agent}_max_tokens")
+
+    @model_validator(mode="after")
+    def _segment_within_budgets(self) -> "RolloutConfig":
+        for agent in AGENTS:
+            budget = self.max_tokens(agent)
+            if self.segment_tokens > budget:
+                raise ValueError(
+                    f"segment_tokens={self.segment_tokens} is longer than {agent}_max_tokens={budget}; "
+                    "a segment must fit inside every agent's budget"
+                )
+        return self
+
+
+class LearnerConfig(_Section):
+    policies: Literal["shared", "per_agent"] = Field(
+        "shared", description="'shared': one model for all roles (the paper); 'per_agent': one model and optimizer per agent."
+    )
+    learning_rate: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference model (0 disables, as TRL's default).")
+    epsilon: float = Field(0.2, gt=0, description="PPO clip: lower bound of the ratio is 1 - epsilon.")
+    epsilon_high: float = Field(0.28, gt=0, description="PPO clip: upper bound of the ratio is 1 + epsilon_high (DAPO clip-higher).")
+    loss_type: Literal["dapo", "grpo"] = Field(
+        "dapo", description="'dapo': token-level mean over the batch; 'grpo': mean per sequence, then over sequences."
+    )
+    scale_rewards: bool = Field(True, description="Divide advantages by the group std (False gives Dr. GRPO).")
+    tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling: cap on the behaviour ratio (None disables).")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens per chunk when computing log-probs and entropy.")
+    micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory on long samples.")
+    groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
+    max_steps: int = Field(100, ge=1, description="Learner steps in a training run.")
+
+
+class StoreConfig(_Section):
+    catalog_url: str = Field(
+        "sqlite:marsrl/lake.sqlite",
+        description="DuckLake catalog: 'sqlite:<file>' locally, 'postgres:<dsn>' for a cluster.",
+    )
+    data_path: str = Field("marsrl/lake_data/", description="Where DuckLake writes Parquet files (a folder or s3:// URL).")
+
+
+class TrackingConfig(_Section):
+    mlflow_tracking_uri: str = Field(
+        "sqlite:///mlflow.db", description="MLflow tracking store; the MLFLOW_TRACKING_URI environment variable overrides it."
+    )
+    experiment_name: str = Field("marsrl", description="MLflow experiment.")
+    registered_model_name: str = Field("marsrl-policy", description="Registered model holding the newest policy alias.")
+
+
+class MarsRLConfig(_Section):
+    preset: str = Field("tiny", description="The preset these values started from.")
+    run_name: str = Field("marsrl", description="Name of the run (store rows and MLflow run).")
+    seed: int = Field(0, description="Global random seed.")
+    output_dir: str = Field("marsrl", description="Folder for checkpoints, caches and the default store.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The generation engine.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Grouped agentic rollouts and segments.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The RL learner.")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="The DuckLake segment store.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The MarsRL paper: Qwen3-30B-A3B-Thinking, 128 prompts x 8, 16K segments, 64K/16K/32K budgets.
+    "paper": {
+        "preset": "paper",
+        "model": {"dtype": "bfloat16", "max_prompt_tokens": 32768},
+        "engine": {"name": "vllm"},
+        "rollout": {
+            "num_generations": 8,
+            "downstream_generations": 8,
+            "select_inputs": 2,
+            "max_turns": 5,
+            "segment_tokens": 16384,
+            "solver_max_tokens": 65536,
+            "verifier_max_tokens": 16384,
+            "corrector_max_tokens": 32768,
+            "temperature": 0.85,
+            "problems_per_batch": 128,
+        },
+        "learner": {"learning_rate": 1e-6, "policies": "shared"},
+    },
+    # CPU demo: a tiny model built from a config, short budgets, small batches.
+    "tiny": {
+        "preset": "tiny",
+        "rollout": {
+            "num_generations": 8,
+            "downstream_generations": 4,
+            "select_inputs": 2,
+            "segment_tokens": 32,
+            "solver_max_tokens": 96,
+            "verifier_max_tokens": 96,
+            "corrector_max_tokens": 96,
+            "temperature": 1.0,
+            "problems_per_batch": 8,
+        },
+        "learner": {"learning_rate": 1e-4, "warmup_steps": 20, "max_steps": 40},
+    },
+}
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected dotted.key=value, e.g. rollout.segment_tokens=1024")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "config"
+        value = item.get("input")
+        shown = "" if isinstance(value, dict) else f"={value!r}"
+        lines.append(f"{field}{shown}: {item['msg'].removeprefix('Value error, ')}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def build_config(data: dict[str, Any]) -> MarsRLConfig:
+    """Validate a plain dict into a config, raising ConfigError that names field and value."""
+    try:
+        return MarsRLConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(
+    preset: str = "tiny", yaml_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> MarsRLConfig:
+    """Preset, then YAML file, then `a.b=c` overrides, validated as one config."""
+    if preset not in PRESETS:
+        raise ConfigError(f"preset={preset!r}: unknown preset; choose one of {sorted(PRESETS)}")
+    data = copy.deepcopy(PRESETS[preset])
+    if yaml_path is not None:
+        path = Path(yaml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r}: no such file")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file {str(path)!r}: not valid YAML ({err})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r}: top level must be a mapping, got {type(loaded).__name__}")
+        data = _deep_merge(data, loaded)
+    for text in overrides:
+        keys, value = _parse_override(text)
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {key!r} is not a section")
+        node[keys[-1]] = value
+    return build_config(data)
+
+
+def config_to_yaml(config: MarsRLConfig) -> str:
+    """The config as YAML, loadable again with `load_config(yaml_path=...)`."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

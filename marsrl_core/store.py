@@ -1,0 +1,580 @@
+"""The segment store: an append-only DuckLake lakehouse shared by rollout, learner and users.
+
+Why DuckLake: a plain DuckDB file is locked by one process, while rollout flows, learner flows and a
+user's SQL session run in different processes. DuckLake keeps the catalog in SQLite (or Postgres) and
+the data in Parquet, so all of them can read and write at once. The extensions are loaded from the
+installed PyPI packages (`duckdb-extension-*`), never downloaded.
+
+How it is used:
+- `append(...)` writes samples, segments and rewards of one rollout stage in one transaction, in bulk
+  through Arrow (binding Python lists row by row is ~1000x slower);
+- `trainable_groups(...)` lists complete, unconsumed same-input groups for an agent;
+- `commit_step(...)` records a learner step's consumptions, its policy version and its metrics in one
+  transaction (exactly-once: a sample consumed by a committed step is never listed again; a step that
+  never committed leaves its samples trainable);
+- `load_samples(...)` rebuilds sample token sequences and behaviour log-probs from their segments.
+
+Concurrency: the SQLite catalog runs in WAL mode; a commit that meets a lock or a DuckLake conflict is
+rolled back and retried with jittered exponential backoff (counted in `lock_retries`). Appends never
+conflict logically, so a retry always converges.
+
+Deliberate simplifications: one DuckDB connection per Store guarded by a lock (tasks in threads
+share it); unknown-sample checks use an in-process cache and fall back to one query.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from marsrl_core.store_schema import ARROW_SCHEMAS, table_ddl, view_ddl
+
+CATALOG = "lake"
+_TRANSIENT = ("database is locked", "conflict", "failed to commit", "busy", "could not serialize")
+
+
+class StoreError(RuntimeError):
+    """A store operation failed; the message names the input or path at fault."""
+
+
+@dataclass
+class SampleRow:
+    """A sample was started: one agent's output for one prompt, member of one same-input group."""
+
+    sample_id: str
+    problem_id: str
+    agent: str
+    turn: int
+    group_id: str
+    group_size: int
+    prompt_tokens: Sequence[int]
+    parent_sample_id: str | None = None
+
+
+@dataclass
+class SegmentRow:
+    """One decoded segment of a sample: its tokens, their behaviour log-probs, and the policy version."""
+
+    sample_id: str
+    segment_index: int
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    policy_version: int
+    finish_reason: str  # "stop" (EOS / stop string), "length" (segment full, continues), "budget" (truncated)
+
+
+@dataclass
+class RewardRow:
+    """A sample finished: its reward and what was parsed from it."""
+
+    sample_id: str
+    reward: float
+    correct: bool | None = None
+    outcome: str = "ok"
+    parsed: str | None = None
+    text: str | None = None
+
+
+@dataclass
+class StoredSample:
+    """A sample rebuilt from the store: prompt, response tokens, behaviour log-probs and versions."""
+
+    sample_id: str
+    agent: str
+    group_id: str
+    prompt_tokens: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray  # policy version of each response token
+    finish_reason: str | None
+    reward: float | None = None
+    parsed: str | None = None
+
+
+@dataclass
+class TrainableGroup:
+    group_id: str
+    agent: str
+    sample_ids: list[str] = field(default_factory=list)
+
+
+def _extension_files() -> dict[str, str]:
+    """Extension name -> file path, for every installed `duckdb-extension-*` package."""
+    found = {}
+    for module_name in ("duckdb_extension_sqlite_scanner", "duckdb_extension_ducklake",
+                        "duckdb_extension_postgres_scanner", "duckdb_extension_httpfs"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        pattern = os.path.join(os.path.dirname(module.__file__), "extensions", "*", "*.duckdb_extension")
+        for path in glob.glob(pattern):
+            found[Path(path).name.split(".")[0]] = path
+    return found
+
+
+def _is_transient(err: Exception) -> bool:
+    text = str(err).lower()
+    return any(marker in text for marker in _TRANSIENT)
+
+
+def _list_array(arrays: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(value_type.to_pandas_dtype())))
+
+
+def _as_array(values: Any, kind: str, name: str) -> np.ndarray:
+    """`values` as a 1-D numpy array of the wanted kind ('i' integers, 'f' floats), else StoreError."""
+    array = np.asarray(values)
+    if array.ndim != 1 and array.size != 0:
+        raise StoreError(f"{name}: expected a flat sequence, got shape {array.shape}")
+    if array.size == 0:
+        return array.reshape(0)
+    if kind == "i" and array.dtype.kind not in "iu":
+        raise StoreError(f"{name}: expected integer token ids, got dtype {array.dtype}")
+    if kind == "f" and array.dtype.kind not in "f":
+        raise StoreError(f"{name}: expected float log-probs, got dtype {array.dtype}")
+    if kind == "f" and not np.all(np.isfinite(array)):
+        raise StoreError(f"{name}: log-probs must be finite")
+    return array
+
+
+class SegmentStore:
+    """The DuckLake segment store. Open one per process; it is safe to share between threads."""
+
+    def __init__(self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True):
+        self.catalog_url = catalog_url
+        self.data_path = data_path
+        self.max_retries = max_retries
+        self.lock_retries = 0
+        self._lock = threading.RLock()
+        self._known_samples: set[str] = set()
+        self._con = self._connect(create)
+
+    @classmethod
+    def from_config(cls, store_config: Any, **kwargs: Any) -> "SegmentStore":
+        return cls(store_config.catalog_url, store_config.data_path, **kwargs)
+
+    # ------------------------------------------------------------------ connection
+    def _connect(self, create: bool) -> duckdb.DuckDBPyConnection:
+        kind, _, target = self.catalog_url.partition(":")
+        if kind not in ("sqlite", "postgres") or not target:
+            raise StoreError(f"catalog_url={self.catalog_url!r}: expected 'sqlite:<file>' or 'postgres:<dsn>'")
+        if kind == "sqlite":
+            self._prepare_sqlite(Path(target), create)
+        if "://" not in self.data_path:
+            try:
+                Path(self.data_path).mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(f"data_path={self.data_path!r}: cannot create folder ({err.strerror})") from None
+        extensions = _extension_files()
+        needed = ["sqlite_scanner" if kind == "sqlite" else "postgres_scanner", "ducklake"]
+        if self.data_path.startswith(("s3://", "gs://", "http")):
+            needed.insert(0, "httpfs")
+        con = duckdb.connect()
+        for name in needed:
+            if name not in extensions:
+                raise StoreError(f"catalog_url={self.catalog_url!r}: the duckdb extension {name!r} is not installed "
+                                 f"(pip install duckdb-extension-{name.replace('_', '-')}=={duckdb.__version__})")
+            con.execute(f"LOAD '{extensions[name]}'")
+        data_path = self.data_path if "://" in self.data_path else str(Path(self.data_path).resolve()) + "/"
+        try:
+            con.execute(f"ATTACH 'ducklake:{self.catalog_url}' AS {CATALOG} (DATA_PATH '{data_path}')")
+        except duckdb.Error as err:
+            raise StoreError(f"catalog_url={self.catalog_url!r}: cannot attach DuckLake catalog ({err})") from None
+        self._con = con
+        self._transaction(lambda c: [c.execute(sql) for sql in table_ddl(CATALOG) + view_ddl(CATALOG)])
+        return con
+
+    @staticmethod
+    def _prepare_sqlite(path: Path, create: bool) -> None:
+        if not path.exists() and not create:
+            raise StoreError(f"catalog {str(path)!r}: no such store")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with sqlite3.connect(path, timeout=30) as db:  # WAL lets readers run beside one writer
+                db.execute("PRAGMA journal_mode=WAL")
+        except (OSError, sqlite3.Error) as err:
+            raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._con.close()
+
+    # ------------------------------------------------------------------ retrying primitives
+    def _retry(self, operation: Callable[[], Any]) -> Any:
+        for attempt in range(self.max_retries + 1):
+            try:
+                return operation()
+            except duckdb.Error as err:
+                if not _is_transient(err) or attempt == self.max_retries:
+                    raise
+                self.lock_retries += 1
+                time.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.005 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _transaction(self, body: Callable[[duckdb.DuckDBPyConnection], Any]) -> Any:
+        """Run `body` in one transaction, all or nothing, retried on transient lock errors."""
+
+        def attempt() -> Any:
+            with self._lock:
+                self._con.execute("BEGIN TRANSACTION")
+                try:
+                    result = body(self._con)
+                    self._con.execute("COMMIT")
+                    return result
+                except BaseException:
+                    try:
+                        self._con.execute("ROLLBACK")
+                    except duckdb.Error:
+                        pass
+                    raise
+
+        return self._retry(attempt)
+
+    def _read(self, sql: str, params: Sequence[Any] = (), tables: dict[str, pa.Table] | None = None) -> pa.Table:
+        def attempt() -> pa.Table:
+            with self._lock:
+                for name, table in (tables or {}).items():
+                    self._con.register(name, table)
+                try:
+                    return self._con.execute(sql, list(params)).to_arrow_table()
+                finally:
+                    for name in tables or {}:
+                        self._con.unregister(name)
+
+        return self._retry(attempt)
+
+    @staticmethod
+    def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.Table) -> None:
+        name = f"_batch_{table}"
+        con.register(name, batch)
+        try:
+            con.execute(f"INSERT INTO {CATALOG}.{table} SELECT *, current_timestamp FROM {name}")
+        finally:
+            con.unregister(name)
+
+    # ------------------------------------------------------------------ writes
+    def create_run(self, run_id: str, config: dict[str, Any]) -> None:
+        batch = pa.table({"run_id": [run_id], "config_json": [json.dumps(config, default=str)]},
+                         schema=ARROW_SCHEMAS["runs"])
+        self._transaction(lambda c: self._insert(c, "runs", batch))
+
+    def add_problems(self, run_id: str, problems: Iterable[Any]) -> int:
+        """Record problems (objects with problem_id, prompt, answer, source)."""
+        rows = list(problems)
+        if not rows:
+            return 0
+        batch = pa.table(
+            {
+                "run_id": [run_id] * len(rows),
+                "problem_id": [p.problem_id for p in rows],
+                "prompt": [p.prompt for p in rows],
+                "answer": [p.answer for p in rows],
+                "source": [p.source for p in rows],
+            },
+            schema=ARROW_SCHEMAS["problems"],
+        )
+        self._transaction(lambda c: self._insert(c, "problems", batch))
+        return len(rows)
+
+    def reject(self, run_id: str, source: str, location: str, reason: str, payload: str = "") -> None:
+        """Record a rejected input (what and why); the run goes on without it."""
+        self.reject_many(run_id, [(source, location, reason, payload)])
+
+    def reject_many(self, run_id: str, rows: Sequence[tuple[str, str, str, str]]) -> None:
+        if not rows:
+            return
+        columns = list(zip(*rows))
+        batch = pa.table(
+            {"run_id": [run_id] * len(rows), "source": columns[0], "location": columns[1],
+             "reason": columns[2], "payload": [p[:2000] for p in columns[3]]},
+            schema=ARROW_SCHEMAS["rejected_inputs"],
+        )
+        self._transaction(lambda c: self._insert(c, "rejected_inputs", batch))
+
+    def append(
+        self,
+        run_id: str,
+        samples: Sequence[SampleRow] = (),
+        segments: Sequence[SegmentRow] = (),
+        rewards: Sequence[RewardRow] = (),
+    ) -> None:
+        """Append one stage's new samples, decoded segments and rewards in a single transaction."""
+        batches = {}
+        if samples:
+            batches["samples"] = self._samples_batch(run_id, samples)
+        new_ids = {s.sample_id for s in samples}
+        referenced = {s.sample_id for s in segments} | {r.sample_id for r in rewards}
+        self._check_known(run_id, referenced - new_ids)
+        if segments:
+            batches["segments"] = self._segments_batch(run_id, segments)
+        if rewards:
+            batches["rewards"] = self._rewards_batch(run_id, rewards)
+        if not batches:
+            return
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            for table, batch in batches.items():
+                self._insert(con, table, batch)
+
+        self._transaction(body)
+        self._known_samples |= new_ids
+
+    def commit_step(
+        self,
+        run_id: str,
+        step: int,
+        consumed: dict[str, Sequence[str]],
+        checkpoint_uri: str,
+        mlflow_run_id: str | None = None,
+        metrics: dict[str, dict[str, float]] | None = None,
+    ) -> None:
+        """Exactly-once commit of a learner step: consumptions + policy version + metrics together.
+
+        `consumed` maps agent -> sample ids trained in this step. Call it only after the checkpoint at
+        `checkpoint_uri` is completely written. Raises StoreError (and writes nothing) if any sample
+        was already consumed by a committed step or the version already exists.
+        """
+        pairs = [(sid, agent) for agent, ids in consumed.items() for sid in ids]
+        ids = [sid for sid, _ in pairs]
+        if len(set(ids)) != len(ids):
+            raise StoreError(f"commit_step(step={step}): a sample id appears twice in consumed")
+        self._check_known(run_id, set(ids))
+        consumptions = pa.table(
+            {"run_id": [run_id] * len(pairs), "sample_id": ids, "agent": [a for _, a in pairs],
+             "learner_step": [step] * len(pairs)},
+            schema=ARROW_SCHEMAS["consumptions"],
+        )
+        version = pa.table({"run_id": [run_id], "version": [step], "checkpoint_uri": [checkpoint_uri],
+                            "mlflow_run_id": [mlflow_run_id]}, schema=ARROW_SCHEMAS["policy_versions"])
+        metric_rows = metrics or {}
+        steps = pa.table(
+            {"run_id": [run_id] * len(metric_rows), "step": [step] * len(metric_rows),
+             "agent": list(metric_rows), "metrics_json": [json.dumps(m) for m in metric_rows.values()]},
+            schema=ARROW_SCHEMAS["train_steps"],
+        )
+        ids_table = pa.table({"sample_id": pa.array(ids, pa.string())})
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            con.register("_step_ids", ids_table)
+            try:
+                twice = con.execute(
+                    f"SELECT count(*) FROM {CATALOG}.consumptions c JOIN _step_ids USING (sample_id) "
+                    "WHERE c.run_id = ?", [run_id]).fetchone()[0]
+            finally:
+                con.unregister("_step_ids")
+            exists = con.execute(f"SELECT count(*) FROM {CATALOG}.policy_versions WHERE run_id = ? AND version = ?",
+                                 [run_id, step]).fetchone()[0]
+            if twice or exists:
+                raise StoreError(f"commit_step(step={step}): {twice} samples already consumed, "
+                                 f"version {step} {'exists' if exists else 'is new'}; nothing written")
+            self._insert(con, "consumptions", consumptions)
+            self._insert(con, "policy_versions", version)
+            if len(metric_rows):
+                self._insert(con, "train_steps", steps)
+
+        self._transaction(body)
+
+    # ------------------------------------------------------------------ validation and batches
+    def _check_known(self, run_id: str, sample_ids: set[str]) -> None:
+        unknown = sample_ids - self._known_samples
+        if not unknown:
+            return
+        found = self._read(
+            f"SELECT DISTINCT s.sample_id FROM {CATALOG}.samples s JOIN _ids USING (sample_id) WHERE s.run_id = ?",
+            [run_id], {"_ids": pa.table({"sample_id": pa.array(sorted(unknown), pa.string())})},
+        ).column("sample_id").to_pylist()
+        self._known_samples |= set(found)
+        missing = unknown - set(found)
+        if missing:
+            shown = ", ".join(sorted(missing)[:5])
+            raise StoreError(f"sample_id: {len(missing)} unknown sample id(s) in run {run_id!r}: {shown}")
+
+    @staticmethod
+    def _samples_batch(run_id: str, samples: Sequence[SampleRow]) -> pa.Table:
+        prompts = [_as_array(s.prompt_tokens, "i", f"samples[{i}].prompt_tokens") for i, s in enumerate(samples)]
+        for i, s in enumerate(samples):
+            if s.group_size < 1:
+                raise StoreError(f"samples[{i}].group_size={s.group_size}: must be >= 1")
+        return pa.table(
+            {
+                "run_id": [run_id] * len(samples),
+                "sample_id": [s.sample_id for s in samples],
+                "problem_id": [s.problem_id for s in samples],
+                "agent": [s.agent for s in samples],
+                "turn": pa.array([s.turn for s in samples], pa.int32()),
+                "parent_sample_id": [s.parent_sample_id for s in samples],
+                "group_id": [s.group_id for s in samples],
+                "group_size": pa.array([s.group_size for s in samples], pa.int32()),
+                "prompt_tokens": _list_array(prompts, pa.int32()),
+            },
+            schema=ARROW_SCHEMAS["samples"],
+        )
+
+    @staticmethod
+    def _segments_batch(run_id: str, segments: Sequence[SegmentRow]) -> pa.Table:
+        tokens, logprobs = [], []
+        for i, s in enumerate(segments):
+            t = _as_array(s.token_ids, "i", f"segments[{i}].token_ids")
+            lp = _as_array(s.logprobs, "f", f"segments[{i}].logprobs")
+            if len(t) != len(lp):
+                raise StoreError(f"segments[{i}] (sample {s.sample_id}): token_ids has {len(t)} entries "
+                                 f"but logprobs has {len(lp)}")
+            if s.finish_reason not in ("stop", "length", "budget"):
+                raise StoreError(f"segments[{i}].finish_reason={s.finish_reason!r}: expected stop, length or budget")
+            tokens.append(t)
+            logprobs.append(lp)
+        return pa.table(
+            {
+                "run_id": [run_id] * len(segments),
+                "sample_id": [s.sample_id for s in segments],
+                "segment_index": pa.array([s.segment_index for s in segments], pa.int32()),
+                "token_ids": _list_array(tokens, pa.int32()),
+                "logprobs": _list_array(logprobs, pa.float32()),
+                "policy_version": pa.array([s.policy_version for s in segments], pa.int32()),
+                "finish_reason": [s.finish_reason for s in segments],
+            },
+            schema=ARROW_SCHEMAS["segments"],
+        )
+
+    @staticmethod
+    def _rewards_batch(run_id: str, rewards: Sequence[RewardRow]) -> pa.Table:
+        for i, r in enumerate(rewards):
+            if not isinstance(r.reward, (int, float, np.floating, np.integer)) or not np.isfinite(r.reward):
+                raise StoreError(f"rewards[{i}].reward={r.reward!r}: expected a finite number")
+        return pa.table(
+            {
+                "run_id": [run_id] * len(rewards),
+                "sample_id": [r.sample_id for r in rewards],
+                "reward": pa.array([float(r.reward) for r in rewards], pa.float32()),
+                "correct": [r.correct for r in rewards],
+                "outcome": [r.outcome for r in rewards],
+                "parsed": [r.parsed for r in rewards],
+                "text": [r.text for r in rewards],
+            },
+            schema=ARROW_SCHEMAS["rewards"],
+        )
+
+    # ------------------------------------------------------------------ reads
+    def trainable_groups(self, run_id: str, agent: str, limit: int | None = None) -> list[TrainableGroup]:
+        """Complete (every member rewarded), unconsumed groups of `agent`, oldest completion first."""
+        sql = f"""
+            WITH members AS (
+                SELECT s.group_id, s.sample_id, s.group_size, r.created_at AS done_at
+                FROM {CATALOG}.samples s
+                LEFT JOIN (SELECT sample_id, min(created_at) AS created_at FROM {CATALOG}.rewards
+                           WHERE run_id = $run GROUP BY sample_id) r USING (sample_id)
+                WHERE s.run_id = $run AND s.agent = $agent),
+            consumed AS (SELECT DISTINCT sample_id FROM {CATALOG}.consumptions WHERE run_id = $run AND agent = $agent)
+            SELECT group_id, list(sample_id ORDER BY sample_id) AS sample_ids, max(done_at) AS completed_at
+            FROM members
+            GROUP BY group_id
+            HAVING count(done_at) = any_value(group_size)
+               AND count(*) FILTER (WHERE sample_id IN (SELECT sample_id FROM consumed)) = 0
+            ORDER BY completed_at, group_id
+            {'LIMIT ' + str(int(limit)) if limit else ''}"""
+        rows = self._read(sql.replace("$run", "$1").replace("$agent", "$2"), [run_id, agent]).to_pylist()
+        return [TrainableGroup(r["group_id"], agent, r["sample_ids"]) for r in rows]
+
+    def load_samples(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, StoredSample]:
+        """Rebuild samples (prompt, tokens, behaviour log-probs, versions) from their segments."""
+        ids = pa.table({"sample_id": pa.array(list(sample_ids), pa.string())})
+        meta = self._read(
+            f"""SELECT s.sample_id, s.agent, s.group_id, s.prompt_tokens, r.reward, r.parsed
+                FROM {CATALOG}.samples s JOIN _ids USING (sample_id)
+                LEFT JOIN {CATALOG}.rewards r ON r.run_id = s.run_id AND r.sample_id = s.sample_id
+                WHERE s.run_id = ?""", [run_id], {"_ids": ids}).to_pylist()
+        segs = self._read(
+            f"""SELECT g.sample_id, g.segment_index, g.token_ids, g.logprobs, g.policy_version, g.finish_reason
+                FROM {CATALOG}.segments g JOIN _ids USING (sample_id)
+                WHERE g.run_id = ? ORDER BY g.sample_id, g.segment_index""", [run_id], {"_ids": ids}).to_pylist()
+        by_sample: dict[str, list[dict[str, Any]]] = {}
+        for seg in segs:
+            by_sample.setdefault(seg["sample_id"], []).append(seg)
+        result = {}
+        for m in meta:
+            parts = by_sample.get(m["sample_id"], [])
+            tokens = [np.asarray(p["token_ids"], dtype=np.int64) for p in parts]
+            result[m["sample_id"]] = StoredSample(
+                sample_id=m["sample_id"], agent=m["agent"], group_id=m["group_id"],
+                prompt_tokens=np.asarray(m["prompt_tokens"], dtype=np.int64),
+                token_ids=np.concatenate(tokens) if tokens else np.zeros(0, np.int64),
+                logprobs=np.concatenate([np.asarray(p["logprobs"], np.float32) for p in parts])
+                if parts else np.zeros(0, np.float32),
+                versions=np.concatenate([np.full(len(t), p["policy_version"], np.int64) for t, p in zip(tokens, parts)])
+                if parts else np.zeros(0, np.int64),
+                finish_reason=parts[-1]["finish_reason"] if parts else None,
+                reward=m["reward"], parsed=m["parsed"],
+            )
+        missing = [sid for sid in sample_ids if sid not in result]
+        if missing:
+            raise StoreError(f"sample_id: unknown sample id(s) in run {run_id!r}: {', '.join(missing[:5])}")
+        return result
+
+    def latest_version(self, run_id: str) -> tuple[int, str] | None:
+        """The newest committed policy version and its checkpoint, or None before the first step."""
+        rows = self._read(
+            f"SELECT version, checkpoint_uri FROM {CATALOG}.policy_versions WHERE run_id = ? "
+            "ORDER BY version DESC LIMIT 1", [run_id]).to_pylist()
+        return (rows[0]["version"], rows[0]["checkpoint_uri"]) if rows else None
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> pa.Table:
+        """Run any SQL with the lake as the default catalog (tables and views unqualified)."""
+        def attempt() -> pa.Table:
+            with self._lock:
+                self._con.execute(f"USE {CATALOG}")
+                try:
+                    result = self._con.execute(sql, list(params))
+                    return result.to_arrow_table() if result.description else pa.table({})
+                finally:
+                    self._con.execute("USE memory")
+        return self._retry(attempt)
+
+    def count(self, table: str, run_id: str | None = None) -> int:
+        if table not in ARROW_SCHEMAS:
+            raise StoreError(f"table={table!r}: unknown table; choose one of {sorted(ARROW_SCHEMAS)}")
+        where = " WHERE run_id = ?" if run_id is not None else ""
+        params = [run_id] if run_id is not None else []
+        return self._read(f"SELECT count(*) AS n FROM {CATALOG}.{table}{where}", params).column("n")[0].as_py()
+
+    # ------------------------------------------------------------------ maintenance
+    def data_file_count(self) -> int:
+        """Parquet data files referenced by the current snapshot, over all tables."""
+        total = 0
+        for table in ARROW_SCHEMAS:
+            total += self._read(f"SELECT count(*) AS n FROM ducklake_list_files('{CATALOG}', '{table}')"
+                                ).column("n")[0].as_py()
+        return total
+
+    def compact(self) -> dict[str, int]:
+        """Merge small Parquet files, expire old snapshots and delete unreferenced files."""
+        before = self.data_file_count()
+
+        def run(sql: str) -> None:
+            with self._lock:
+                self._con.execute(sql)
+
+        for sql in (f"CALL ducklake_flush_inlined_data('{CATALOG}')",
+                    f"CALL ducklake_merge_adjacent_files('{CATALOG}')",
+                    f"CALL ducklake_expire_snapshots('{CATALOG}', older_than => now())",
+                    f"CALL ducklake_cleanup_old_files('{CATALOG}', cleanup_all => true)"):
+            self._retry(lambda sql=sql: run(sql))
+        return {"files_before": before, "files_after": self.data_file_count()}

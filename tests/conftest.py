@@ -1,0 +1,20 @@
+"""Shared fixtures: a fresh DuckLake store per test in a temporary folder."""
+
+from __future__ import annotations
+
+import pytest
+
+from marsrl_core.store import SegmentStore
+
+
+@pytest.fixture
+def store_paths(tmp_path):
+    return f"sqlite:{tmp_path}/lake.sqlite", str(tmp_path / "data")
+
+
+@pytest.fixture
+def store(store_paths):
+    catalog, data = store_paths
+    s = SegmentStore(catalog, data)
+    yield s
+    s.close()

@@ -1,0 +1,82 @@
+"""Worker processes for the store's multi-process tests (run as scripts, not collected by pytest).
+
+    writer CATALOG DATA RUN SECONDS   append samples + segments + rewards; print the running totals
+    reader CATALOG DATA RUN SECONDS   read the views and commit consumptions of trainable groups
+    killme CATALOG DATA RUN           append big batches forever, announcing each one on stdout
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore
+
+GROUP = 4
+
+
+def batch(tag: str, groups: int, tokens: int, rng: np.random.Generator):
+    samples, segments, rewards = [], [], []
+    for g in range(groups):
+        for m in range(GROUP):
+            sid = f"{tag}-g{g}-m{m}"
+            samples.append(SampleRow(sid, f"p{g}", "solver", 0, f"{tag}-g{g}", GROUP, [1, 2, 3]))
+            segments.append(SegmentRow(sid, 0, rng.integers(0, 100, tokens), -rng.random(tokens).astype(np.float32),
+                                       0, "stop"))
+            rewards.append(RewardRow(sid, float(m % 2), bool(m % 2)))
+    return samples, segments, rewards
+
+
+def writer(store: SegmentStore, run: str, seconds: float) -> None:
+    rng = np.random.default_rng(0)
+    total_segments = k = 0
+    end = time.time() + seconds
+    while time.time() < end:
+        samples, segments, rewards = batch(f"w{k}", 4, 64, rng)
+        store.append(run, samples, segments, rewards)
+        total_segments += len(segments)
+        k += 1
+        print(json.dumps({"segments": total_segments, "lock_retries": store.lock_retries}), flush=True)
+
+
+def reader(store: SegmentStore, run: str, seconds: float) -> None:
+    consumed = step = 0
+    end = time.time() + seconds
+    while time.time() < end:
+        store.query("SELECT * FROM rewards_per_agent").num_rows
+        store.query("SELECT count(*) FROM in_flight_decodes").num_rows
+        groups = store.trainable_groups(run, "solver", limit=3)
+        if not groups:
+            time.sleep(0.05)
+            continue
+        step += 1
+        ids = [sid for g in groups for sid in g.sample_ids]
+        store.commit_step(run, step, {"solver": ids}, f"ckpt/{step}")
+        consumed += len(ids)
+        print(json.dumps({"consumed": consumed, "steps": step, "lock_retries": store.lock_retries}), flush=True)
+
+
+def killme(store: SegmentStore, run: str) -> None:
+    rng = np.random.default_rng(1)
+    k = 0
+    while True:
+        samples, segments, rewards = batch(f"k{os.getpid()}x{k}", 50, 2000, rng)
+        print(f"begin {k}", flush=True)
+        store.append(run, samples, segments, rewards)
+        print(f"done {k}", flush=True)
+        k += 1
+
+
+if __name__ == "__main__":
+    role, catalog, data, run = sys.argv[1:5]
+    s = SegmentStore(catalog, data)
+    if role == "writer":
+        writer(s, run, float(sys.argv[5]))
+    elif role == "reader":
+        reader(s, run, float(sys.argv[5]))
+    else:
+        killme(s, run)

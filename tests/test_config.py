@@ -1,0 +1,73 @@
+"""Config: presets, YAML, CLI overrides, and errors that name the field and the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from marsrl_core.cli import main
+from marsrl_core.config import PRESETS, ConfigError, MarsRLConfig, config_to_yaml, load_config
+
+
+def test_every_field_has_a_description():
+    def walk(model):
+        for name, info in model.model_fields.items():
+            assert info.description, f"{model.__name__}.{name} has no description"
+            annotation = info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, MarsRLConfig.__mro__[1]):
+                walk(annotation)
+
+    walk(MarsRLConfig)
+
+
+def test_paper_preset_matches_the_paper():
+    cfg = load_config("paper")
+    r = cfg.rollout
+    assert (r.num_generations, r.select_inputs, r.segment_tokens, r.max_turns) == (8, 2, 16384, 5)
+    assert (r.solver_max_tokens, r.verifier_max_tokens, r.corrector_max_tokens) == (65536, 16384, 32768)
+    assert cfg.learner.learning_rate == 1e-6 and r.temperature == 0.85
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  num_generations: 4\n  segment_tokens: 16\nseed: 7\n")
+    cfg = load_config("tiny", path, ["rollout.num_generations=3", "learner.policies=per_agent"])
+    assert cfg.rollout.num_generations == 3 and cfg.rollout.segment_tokens == 16
+    assert cfg.seed == 7 and cfg.learner.policies == "per_agent"
+    # A dumped config loads back to the same values.
+    again = tmp_path / "again.yaml"
+    again.write_text(config_to_yaml(cfg))
+    assert load_config("tiny", again) == cfg
+
+
+@pytest.mark.parametrize(
+    "preset, overrides, expected",
+    [
+        ("tiny", ["rollout.segment_tokens=500"], "segment_tokens=500"),
+        ("tiny", ["rollout.num_generations=0"], "rollout.num_generations=0"),
+        ("tiny", ["engine.name=tgi"], "engine.name='tgi'"),
+        ("nope", [], "preset='nope'"),
+        ("tiny", ["rollout.no_such_field=1"], "rollout.no_such_field"),
+        ("tiny", ["segment_tokens"], "dotted.key=value"),
+    ],
+)
+def test_invalid_values_name_field_and_value(preset, overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, None, overrides)
+    assert expected in str(err.value)
+
+
+def test_bad_yaml_file_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config("tiny", path)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config("tiny", tmp_path / "missing.yaml")
+
+
+def test_cli_reports_config_errors_without_traceback(capsys):
+    assert main(["config", "--set", "rollout.num_generations=-1"]) == 2
+    assert "rollout.num_generations=-1" in capsys.readouterr().out
+    assert main(["config", "--preset", "paper"]) == 0
+    assert "segment_tokens: 16384" in capsys.readouterr().out
+    assert set(PRESETS) == {"tiny", "paper"}

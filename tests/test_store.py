@@ -1,0 +1,128 @@
+"""The segment store in one process: round trips, views, exactly-once commits, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore, StoreError
+
+RUN = "run-1"
+
+
+def _group(store, group_id, size=2, agent="solver", turn=0, parent=None):
+    rows = [SampleRow(f"{group_id}-{i}", "p1", agent, turn, group_id, size, [7, 8, 9], parent) for i in range(size)]
+    store.append(RUN, samples=rows)
+    return [r.sample_id for r in rows]
+
+
+def _finish(store, sample_ids, reward=1.0):
+    store.append(RUN, segments=[SegmentRow(s, 0, [1], [-0.5], 0, "stop") for s in sample_ids],
+                 rewards=[RewardRow(s, reward, bool(reward)) for s in sample_ids])
+
+
+def test_segments_reassemble_tokens_logprobs_and_versions(store):
+    (sid, _) = _group(store, "g")
+    store.append(RUN, segments=[SegmentRow(sid, 0, [4, 5], [-0.1, -0.2], 0, "length")])
+    store.append(RUN, segments=[SegmentRow(sid, 1, np.array([6], np.int64), np.array([-0.3]), 1, "stop")],
+                 rewards=[RewardRow(sid, 1.0, True, "ok", "42")])
+    got = store.load_samples(RUN, [sid])[sid]
+    assert got.prompt_tokens.tolist() == [7, 8, 9]
+    assert got.token_ids.tolist() == [4, 5, 6]
+    assert np.allclose(got.logprobs, [-0.1, -0.2, -0.3])
+    assert got.versions.tolist() == [0, 0, 1]
+    assert got.finish_reason == "stop" and got.reward == 1.0 and got.parsed == "42"
+
+
+def test_group_is_trainable_only_when_every_member_is_rewarded(store):
+    a, b = _group(store, "g")
+    _finish(store, [a])
+    assert store.trainable_groups(RUN, "solver") == []
+    _finish(store, [b], reward=0.0)
+    groups = store.trainable_groups(RUN, "solver")
+    assert [(g.group_id, g.sample_ids) for g in groups] == [("g", [a, b])]
+    assert store.trainable_groups(RUN, "verifier") == []
+    inflight = store.query("SELECT count(*) AS n FROM in_flight_decodes").column("n")[0].as_py()
+    assert inflight == 0
+
+
+def test_exactly_once_commit(store):
+    ids = _group(store, "g1") + _group(store, "g2")
+    _finish(store, ids)
+    store.commit_step(RUN, 1, {"solver": ids[:2]}, "ckpt/1", metrics={"solver": {"loss": 0.5}})
+    # The consumed group is never listed again; the other one still is.
+    assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == ["g2"]
+    assert store.latest_version(RUN) == (1, "ckpt/1")
+    # Consuming a committed sample again writes nothing at all (not even the version row).
+    with pytest.raises(StoreError, match="already consumed"):
+        store.commit_step(RUN, 2, {"solver": ids[1:3]}, "ckpt/2")
+    assert store.latest_version(RUN) == (1, "ckpt/1")
+    assert store.count("consumptions", RUN) == 2
+    # A step that "crashed" before commit_step leaves its samples trainable: nothing records them.
+    assert store.trainable_groups(RUN, "solver")[0].sample_ids == ids[2:]
+    stale = store.query("SELECT staleness FROM staleness ORDER BY sample_id").column("staleness").to_pylist()
+    assert stale == [1, 1]
+
+
+def test_views_answer_the_users_questions(store):
+    ids = _group(store, "g")
+    _finish(store, ids)
+    store.commit_step(RUN, 1, {"solver": ids}, "ckpt/1")
+    per_agent = store.query("SELECT agent, mean_reward, samples FROM rewards_per_agent").to_pylist()
+    assert per_agent == [{"agent": "solver", "mean_reward": 1.0, "samples": 2}]
+    latency = store.query("SELECT latency_s FROM pipeline_latency").column("latency_s").to_pylist()
+    assert len(latency) == 2 and all(x >= 0 for x in latency)
+
+
+@pytest.mark.parametrize(
+    "segment, message",
+    [
+        (SegmentRow("g-0", 0, [1, 2], [-0.1], 0, "stop"), "token_ids has 2 entries but logprobs has 1"),
+        (SegmentRow("nope", 0, [1], [-0.1], 0, "stop"), "unknown sample id"),
+        (SegmentRow("g-0", 0, [1.5], [-0.1], 0, "stop"), "token_ids: expected integer"),
+        (SegmentRow("g-0", 0, [1], ["x"], 0, "stop"), "logprobs: expected float"),
+        (SegmentRow("g-0", 0, [1], [float("nan")], 0, "stop"), "finite"),
+        (SegmentRow("g-0", 0, [1], [-0.1], 0, "maybe"), "finish_reason='maybe'"),
+    ],
+)
+def test_bad_segments_are_rejected_whole(store, segment, message):
+    _group(store, "g")
+    good = SegmentRow("g-1", 0, [3], [-0.2], 0, "stop")
+    with pytest.raises(StoreError, match=message):
+        store.append(RUN, segments=[good, segment])
+    assert store.count("segments") == 0  # the good row of the batch was not written either
+
+
+def test_bad_reward_and_unknown_consumption(store):
+    _group(store, "g")
+    with pytest.raises(StoreError, match=r"rewards\[0\].reward"):
+        store.append(RUN, rewards=[RewardRow("g-0", float("inf"))])
+    with pytest.raises(StoreError, match="unknown sample id"):
+        store.commit_step(RUN, 1, {"solver": ["ghost"]}, "ckpt/1")
+    assert store.count("rewards") == 0 and store.latest_version(RUN) is None
+
+
+def test_unwritable_catalog_path_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StoreError, match="not writable"):
+        SegmentStore(f"sqlite:{blocker}/lake.sqlite", str(tmp_path / "data"))
+    with pytest.raises(StoreError, match="catalog_url='mysql:x'"):
+        SegmentStore("mysql:x", str(tmp_path / "data"))
+    with pytest.raises(StoreError, match="no such store"):
+        SegmentStore(f"sqlite:{tmp_path}/absent.sqlite", str(tmp_path / "data"), create=False)
+
+
+def test_rows_survive_reopen_and_compaction(store_paths):
+    catalog, data = store_paths
+    first = SegmentStore(catalog, data)
+    for g in range(5):  # batches over the inlining limit make real Parquet files
+        rows = [SampleRow(f"g{g}-{i}", "p", "solver", 0, f"g{g}", 20, [1]) for i in range(20)]
+        first.append(RUN, samples=rows, segments=[SegmentRow(r.sample_id, 0, [1, 2], [-1.0, -1.0], 0, "stop")
+                                                  for r in rows])
+    first.close()
+    second = SegmentStore(catalog, data, create=False)
+    result = second.compact()
+    assert result["files_after"] < result["files_before"]
+    assert second.count("segments", RUN) == 100
+    assert second.load_samples(RUN, ["g3-7"])["g3-7"].token_ids.tolist() == [1, 2]
