@@ -89,12 +89,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import uuid
+
+    from marsrl_core.jobs import evaluate_policy, print_report
+    from marsrl_core.store import SegmentStore
+
+    cfg = _config(args)
+    store = SegmentStore.from_config(cfg.store)
+    run_id = f"{cfg.run_name}-eval-{uuid.uuid4().hex[:8]}"
+    store.create_run(run_id, cfg.model_dump(mode="json"))
+    with console.status("evaluating"):
+        report = evaluate_policy(cfg, store, run_id, "eval", console)
+    print_report(console, {"eval": report})
+    console.print(f"recorded as run {run_id} (table evaluations)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marsrl", description="MarsRL: multi-agent reasoning RL "
                                      "(Solver, Verifier, Corrector) with segment rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {
         "train": (cmd_train, "Run the main job on the configured preset (make train)."),
+        "eval": (cmd_eval, "Evaluate Solver, Verifier, Corrector and the V-C loop (set evaluation.dataset=FILE)."),
         "config": (cmd_config, "Print the resolved configuration as YAML."),
         "sql": (cmd_sql, "Query a run's store with SQL (works while a run is writing)."),
         "compact": (cmd_compact, "DuckLake maintenance: merge small files, expire snapshots."),
@@ -109,14 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from marsrl_core.engines.base import EngineError
     from marsrl_core.problems import DatasetError
     from marsrl_core.store import StoreError
 
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, StoreError, DatasetError) as err:
-        console.print(f"[red]error:[/red] {err}")
+    except (ConfigError, StoreError, DatasetError, EngineError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
 
 

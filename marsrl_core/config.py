@@ -121,6 +121,28 @@ class LearnerConfig(_Section):
     max_steps: int = Field(100, ge=1, description="Learner steps in a training run.")
 
 
+class RolesConfig(_Section):
+    templates: Literal["default", "tiny"] = Field(
+        "default", description="Base prompt templates: 'default' (the public V-C pipeline) or 'tiny' (the demo model)."
+    )
+    solver: str | None = Field(None, description="Solver template override (inline, or @file); fields {problem}.")
+    verifier: str | None = Field(None, description="Verifier template override; fields {problem}, {solution}.")
+    corrector: str | None = Field(None, description="Corrector template override; fields {problem}, {solution}, {report}.")
+
+
+class EvaluationConfig(_Section):
+    k: int = Field(4, ge=1, description="Samples (and V-C workers) per problem: accuracies are avg@k.")
+    num_problems: int = Field(64, ge=1, description="Held-out problems evaluated (the first N of the dataset).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature during evaluation.")
+    accept_after: int = Field(4, ge=1, description="V-C loop: consecutive Correct verdicts that accept a solution.")
+    max_rounds: int = Field(10, ge=1, description="V-C loop: most verification rounds per worker.")
+    dataset: str | None = Field(
+        None, description="Benchmark file (jsonl/parquet/saved dataset); None uses held-out synthetic problems."
+    )
+    question_field: str = Field("query", description="Dataset field holding the problem text.")
+    answer_field: str = Field("ans_box", description="Dataset field holding the reference answer.")
+
+
 class StoreConfig(_Section):
     catalog_url: str = Field(
         "sqlite:marsrl/lake.sqlite",
@@ -146,6 +168,8 @@ class MarsRLConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The generation engine.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Grouped agentic rollouts and segments.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The RL learner.")
+    roles: RolesConfig = Field(default_factory=RolesConfig, description="Prompt templates of the three agents.")
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation and the V-C loop.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="The DuckLake segment store.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
 
@@ -173,6 +197,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # CPU demo: a tiny model built from a config, short budgets, small batches.
     "tiny": {
         "preset": "tiny",
+        "roles": {"templates": "tiny"},
+        "evaluation": {"max_rounds": 4, "accept_after": 2, "num_problems": 32},
         "rollout": {
             "num_generations": 8,
             "downstream_generations": 4,

@@ -1,29 +1,94 @@
-"""The main job behind `make train` / `marsrl train`, as far as the system is built today.
+"""The jobs behind the `marsrl` commands, as far as the system is built today.
 
-Today it prepares a run: it validates the config, opens the DuckLake store, records the run and the
-synthetic demo problems, and prints what the store holds. Rollouts, the learner and evaluation are
-added by later work (see README, "Status"); this module then composes them.
+- `train`: prepares a run (config, store, synthetic problems) and evaluates the starting policy.
+  Rollouts and the learner are added by later work (README, "Status"); this module then composes them.
+- `evaluate_policy`: `marsrl eval`: Solver, Verifier, Corrector and V-C metrics on a dataset (or on
+  held-out synthetic problems), recorded in the store and printed as a table.
 """
 
 from __future__ import annotations
 
+import math
+import time
 import uuid
 
 from rich.console import Console
+from rich.table import Table
 
 from marsrl_core.config import MarsRLConfig
+from marsrl_core.engines.base import SamplingParams, TextGenerator
+from marsrl_core.evaluation import EvalReport, evaluate
+from marsrl_core.policy import make_engine, policy_folder
+from marsrl_core.problems import Problem, load_problems
+from marsrl_core.roles import DEFAULT_TEMPLATES, TINY_TEMPLATES, Roles
 from marsrl_core.store import SegmentStore
 from marsrl_core.synthetic import make_problems
 
+HELD_OUT_SEED_OFFSET = 10_000  # held-out synthetic problems never share a generator seed with training
+
+
+def roles_from_config(cfg: MarsRLConfig) -> Roles:
+    base = TINY_TEMPLATES if cfg.roles.templates == "tiny" else DEFAULT_TEMPLATES
+    return Roles.from_config({"solver": cfg.roles.solver, "verifier": cfg.roles.verifier,
+                              "corrector": cfg.roles.corrector}, base=base)
+
+
+def evaluation_problems(cfg: MarsRLConfig, store: SegmentStore, run_id: str, tokenizer) -> list[Problem]:
+    ev = cfg.evaluation
+    if ev.dataset is None:
+        return make_problems(ev.num_problems, cfg.seed + HELD_OUT_SEED_OFFSET, prefix="heldout")
+    loaded = load_problems(ev.dataset, question_field=ev.question_field, answer_field=ev.answer_field,
+                           count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
+                           max_prompt_tokens=cfg.model.max_prompt_tokens)
+    store.reject_many(run_id, [(r.source, r.location, r.reason, r.payload) for r in loaded.rejected])
+    return loaded.problems[: ev.num_problems]
+
+
+def print_report(console: Console, reports: dict[str, EvalReport]) -> None:
+    table = Table(title="evaluation (avg@k, held-out problems)")
+    table.add_column("measure")
+    for label in reports:
+        table.add_column(label)
+    rows = [("Solver accuracy", "solver_acc"), ("Verifier balanced accuracy", "verifier_bal_acc"),
+            ("Verifier: wrong solutions caught", "verifier_recall"), ("Verifier precision (Wrong)", "verifier_precision"),
+            ("Corrector fix rate", "corrector_fix"), ("Corrector break rate", "corrector_break"),
+            ("V-C system accuracy", "vc_acc"), ("tokens per problem", "tokens_per_problem")]
+    for name, key in rows:
+        values = [getattr(r, key) for r in reports.values()]
+        table.add_row(name, *["n/a" if math.isnan(v) else (f"{v:.0f}" if key.startswith("tokens") else f"{v:.1%}")
+                              for v in values])
+    console.print(table)
+
+
+def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: str,
+                    console: Console | None = None) -> EvalReport:
+    console = console or Console()
+    folder = policy_folder(cfg)
+    engine = make_engine(cfg, folder)
+    problems = evaluation_problems(cfg, store, run_id, engine.tokenizer)
+    ev = cfg.evaluation
+    generator = TextGenerator(engine, engine.tokenizer, cfg.rollout.segment_tokens,
+                              SamplingParams(temperature=ev.temperature, seed=cfg.seed))
+    budgets = {agent: cfg.rollout.max_tokens(agent) for agent in ("solver", "verifier", "corrector")}
+    start = time.perf_counter()
+    report = evaluate(generator, roles_from_config(cfg), problems, k=ev.k, max_tokens=budgets,
+                      accept_after=ev.accept_after, max_rounds=ev.max_rounds)
+    metrics = report.as_dict() | {"wall_clock_s": time.perf_counter() - start}
+    store.record_evaluation(run_id, label, ev.dataset or "synthetic-heldout", metrics)
+    return report
+
 
 def train(cfg: MarsRLConfig, console: Console | None = None, num_problems: int = 64) -> str:
-    """Prepare a training run in the store; returns its run id."""
+    """Prepare a training run in the store and evaluate the starting policy; returns its run id."""
     console = console or Console()
     run_id = f"{cfg.run_name}-{uuid.uuid4().hex[:8]}"
     store = SegmentStore.from_config(cfg.store)
     store.create_run(run_id, cfg.model_dump(mode="json"))
     added = store.add_problems(run_id, make_problems(num_problems, cfg.seed))
     console.print(f"run [bold]{run_id}[/bold]: {added} synthetic problems recorded in {cfg.store.catalog_url}")
-    console.print("rollouts, learner and evaluation are not built yet (see README, Status); "
-                  f"inspect the run with: marsrl sql \"SELECT * FROM problems WHERE run_id = '{run_id}' LIMIT 5\"")
+    with console.status("evaluating the starting policy"):
+        report = evaluate_policy(cfg, store, run_id, "before", console)
+    print_report(console, {"before": report})
+    console.print("rollouts and the learner are not built yet (see README, Status); inspect the run with: "
+                  f"marsrl sql \"SELECT * FROM evaluations WHERE run_id = '{run_id}'\"")
     return run_id

@@ -295,6 +295,12 @@ class SegmentStore:
         self._transaction(lambda c: self._insert(c, "problems", batch))
         return len(rows)
 
+    def record_evaluation(self, run_id: str, label: str, dataset: str, metrics: dict[str, Any]) -> None:
+        """Append one evaluation's metrics (e.g. label 'before' / 'after')."""
+        batch = pa.table({"run_id": [run_id], "label": [label], "dataset": [dataset],
+                          "metrics_json": [json.dumps(metrics)]}, schema=ARROW_SCHEMAS["evaluations"])
+        self._transaction(lambda c: self._insert(c, "evaluations", batch))
+
     def reject(self, run_id: str, source: str, location: str, reason: str, payload: str = "") -> None:
         """Record a rejected input (what and why); the run goes on without it."""
         self.reject_many(run_id, [(source, location, reason, payload)])

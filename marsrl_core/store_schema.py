@@ -76,6 +76,9 @@ ARROW_SCHEMAS: dict[str, pa.Schema] = {
     "train_steps": pa.schema(
         [("run_id", pa.string()), ("step", pa.int32()), ("agent", pa.string()), ("metrics_json", pa.string())]
     ),
+    "evaluations": pa.schema(
+        [("run_id", pa.string()), ("label", pa.string()), ("dataset", pa.string()), ("metrics_json", pa.string())]
+    ),
     "rejected_inputs": pa.schema(
         [
             ("run_id", pa.string()),

@@ -67,7 +67,7 @@ def test_bad_yaml_file_is_named(tmp_path):
 
 def test_cli_reports_config_errors_without_traceback(capsys):
     assert main(["config", "--set", "rollout.num_generations=-1"]) == 2
-    assert "rollout.num_generations=-1" in capsys.readouterr().out
+    assert "rollout.num_generations=-1" in capsys.readouterr().err
     assert main(["config", "--preset", "paper"]) == 0
     assert "segment_tokens: 16384" in capsys.readouterr().out
     assert set(PRESETS) == {"tiny", "paper"}

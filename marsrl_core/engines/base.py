@@ -1,0 +1,119 @@
+"""The engine interface: decode one segment for a batch of requests, and take new weights.
+
+An engine is given, per request, the prompt token ids, the already-decoded prefix, sampling
+parameters and `max_new_tokens` (the segment length). It returns the new token ids, the log-prob of
+each sampled token under the sampling policy, whether the request finished (EOS / stop string) or
+filled its segment, and the policy version that produced it. Calling it again with the longer prefix
+continues an unfinished output, possibly under a newer policy version.
+
+`generate(...)` drives an engine segment by segment until every request finishes or spends its
+budget; `TextGenerator` adds the tokenizer so callers (the V-C loop, evaluation) work in text.
+
+Deliberate simplification: stop strings are checked by the engines on decoded text; EOS is the
+tokenizer's `eos_token_id`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class EngineError(RuntimeError):
+    """An engine cannot serve a request; the message names the request and the limit."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass
+class SegmentRequest:
+    prompt_ids: Sequence[int]
+    prefix_ids: Sequence[int] = ()
+    max_new_tokens: int = 16
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class SegmentResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool  # EOS or a stop string inside this segment
+    policy_version: int
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.finished else "length"
+
+
+class Engine(Protocol):
+    policy_version: int
+
+    def decode_segment(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]: ...
+
+    def update_weights(self, version: int, weights: Any) -> None: ...
+
+
+@dataclass
+class Completion:
+    """A whole output decoded segment by segment."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" when finished, "budget" when cut off by max_tokens
+    text: str = ""
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "budget"
+
+
+def generate(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, segment_tokens: int,
+             sampling: SamplingParams = SamplingParams()) -> list[Completion]:
+    """Decode every prompt to its end (EOS) or `max_tokens`, one batched segment at a time."""
+    outputs = [Completion() for _ in prompts]
+    active = list(range(len(prompts)))
+    while active:
+        requests = [SegmentRequest(prompts[i], outputs[i].token_ids,
+                                   min(segment_tokens, max_tokens - len(outputs[i].token_ids)), sampling)
+                    for i in active]
+        results = engine.decode_segment(requests)
+        still = []
+        for i, result in zip(active, results):
+            out = outputs[i]
+            out.token_ids.extend(result.token_ids)
+            out.logprobs.extend(result.logprobs)
+            out.versions.extend([result.policy_version] * len(result.token_ids))
+            if result.finished:
+                out.finish_reason = "stop"
+            elif len(out.token_ids) >= max_tokens:
+                out.finish_reason = "budget"
+            else:
+                still.append(i)
+        active = still
+    return outputs
+
+
+class TextGenerator:
+    """An engine plus its tokenizer: prompts in text, completions with text."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, segment_tokens: int, sampling: SamplingParams):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.segment_tokens, self.sampling = segment_tokens, sampling
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def complete(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
+        outputs = generate(self.engine, [self.encode(p) for p in prompts], max_tokens, self.segment_tokens,
+                           self.sampling)
+        for out in outputs:
+            out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return outputs

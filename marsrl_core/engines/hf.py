@@ -1,0 +1,173 @@
+"""The transformers engine: batched segment decoding with a KV cache, on CPU or GPU.
+
+Requests are left-padded into one batch (prompt + already-decoded prefix), with position ids taken
+from the attention mask so padding does not shift RoPE positions. Each step samples one token per
+active request, under that request's own sampling parameters; a request stops at EOS, at a stop
+string, or when its segment is full.
+
+The log-prob recorded for a sampled token is `log_softmax(logits / T)` at that token, T the sampling
+temperature (T = 1 for greedy), i.e. the behaviour policy before top-k/top-p truncation; the learner
+scores tokens the same way, so on-policy ratios are exactly 1.
+
+Weights are updated in place (`update_weights(version, state_dict or checkpoint folder)`); a
+checkpoint is read from safetensors only, never from pickle.
+
+Deliberate simplifications: no paged attention or continuous batching (that is vLLM's job); the cache
+is rebuilt at every segment (the prefix is re-encoded once per segment, not per token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, SegmentResult
+
+
+def load_safetensors_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict of a Hugging Face checkpoint folder, from its safetensors files only."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"checkpoint {str(folder)!r}: no .safetensors files (pickle checkpoints are refused)")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            state.update(load_file(str(path)))
+        except Exception as err:  # a truncated or corrupt file
+            raise EngineError(f"checkpoint file {str(path)!r}: cannot be read ({err})") from None
+    return state
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)
+        remove = cumulative - torch.softmax(sorted_logits, -1) >= top_p
+        logits = logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+class HFEngine:
+    """transformers model + tokenizer behind the segment interface."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, policy_version: int = 0, stop_strings: Sequence[str] = ()):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.policy_version = policy_version
+        self.stop_strings = tuple(stop_strings)
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        if self.eos_id is None:
+            raise EngineError("tokenizer: has no eos_token_id; the engine cannot tell when an output ends")
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str = "float32", **kwargs: Any) -> "HFEngine":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise EngineError(f"model folder {str(path)!r}: not found or has no config.json")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
+        return cls(model, tokenizer, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def update_weights(self, version: int, weights: dict[str, torch.Tensor] | str | Path) -> None:
+        """Load new weights in place (a state dict, or a checkpoint folder's safetensors)."""
+        state = weights if isinstance(weights, dict) else load_safetensors_state(weights)
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or [m for m in missing if "rotary" not in m]:
+            raise EngineError(f"update_weights(version={version}): weights do not fit the model "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        self.policy_version = version
+
+    def _check_lengths(self, requests: Sequence[SegmentRequest]) -> None:
+        for i, r in enumerate(requests):
+            if r.max_new_tokens < 1:
+                raise EngineError(f"request {i}: max_new_tokens={r.max_new_tokens} must be >= 1")
+            total = len(r.prompt_ids) + len(r.prefix_ids) + r.max_new_tokens
+            if self.max_positions is not None and total > self.max_positions:
+                raise EngineError(
+                    f"request {i}: prompt ({len(r.prompt_ids)}) + prefix ({len(r.prefix_ids)}) + max_new_tokens "
+                    f"({r.max_new_tokens}) = {total} tokens exceeds the model's context of {self.max_positions}")
+
+    @torch.no_grad()
+    def decode_segment(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
+        if not requests:
+            return []
+        self._check_lengths(requests)
+        device, batch = self.device, len(requests)
+        sequences = [list(r.prompt_ids) + list(r.prefix_ids) for r in requests]
+        width = max(len(s) for s in sequences)
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for i, seq in enumerate(sequences):
+            input_ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        generators = [self._generator(r.sampling, len(r.prefix_ids)) for r in requests]
+        new_tokens: list[list[int]] = [[] for _ in requests]
+        new_logprobs: list[list[float]] = [[] for _ in requests]
+        finished = [False] * batch
+        active = [True] * batch
+        cache = None
+        step_ids, step_pos = input_ids, positions
+        for _ in range(max(r.max_new_tokens for r in requests)):
+            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                             past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            next_ids = torch.full((batch,), self.pad_id, dtype=torch.long, device=device)
+            for i, r in enumerate(requests):
+                if not active[i]:
+                    continue
+                token, logprob = self._sample(logits[i], r.sampling, generators[i])
+                next_ids[i] = token
+                new_tokens[i].append(token)
+                new_logprobs[i].append(logprob)
+                if token == self.eos_id or self._hit_stop(new_tokens[i]):
+                    finished[i], active[i] = True, False
+                elif len(new_tokens[i]) >= r.max_new_tokens:
+                    active[i] = False
+            if not any(active):
+                break
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
+            step_ids, step_pos = next_ids[:, None], step_pos[:, -1:] + 1
+        return [SegmentResult(t, lp, f, self.policy_version) for t, lp, f in zip(new_tokens, new_logprobs, finished)]
+
+    def _generator(self, sampling: SamplingParams, offset: int) -> torch.Generator | None:
+        if sampling.seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(sampling.seed * 1_000_003 + offset)
+        return generator
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
+        if sampling.temperature == 0:
+            logprobs = torch.log_softmax(logits, -1)
+            token = int(torch.argmax(logits))
+            return token, float(logprobs[token])
+        scaled = logits / sampling.temperature
+        logprobs = torch.log_softmax(scaled, -1)
+        probs = torch.softmax(_filter_logits(scaled, sampling.top_k, sampling.top_p), -1)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+        return token, float(logprobs[token])
+
+    def _hit_stop(self, tokens: list[int]) -> bool:
+        if not self.stop_strings:
+            return False
+        tail = self.tokenizer.decode(tokens[-16:], skip_special_tokens=True)
+        return any(stop in tail for stop in self.stop_strings)

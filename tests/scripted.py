@@ -1,0 +1,41 @@
+"""A scripted engine for tests: the test chooses each output text from the prompt text.
+
+It implements the real segment interface (prefix continuation, segment limits, EOS) over the tiny
+character tokenizer, so everything above it (TextGenerator, the V-C loop, evaluation) runs unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from marsrl_core.engines.base import SegmentRequest, SegmentResult
+from marsrl_core.tiny import build_tiny_tokenizer
+
+
+class ScriptedEngine:
+    def __init__(self, script: Callable[[str], str]):
+        self.tokenizer = build_tiny_tokenizer()
+        self.script = script
+        self.policy_version = 0
+        self.calls: list[str] = []
+        self._outputs: dict[tuple[int, ...], list[int]] = {}
+
+    def decode_segment(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
+        results = []
+        for r in requests:
+            key = tuple(r.prompt_ids)
+            if not r.prefix_ids or key not in self._outputs:
+                prompt = self.tokenizer.decode(list(r.prompt_ids))
+                self.calls.append(prompt)
+                text = self.script(prompt)
+                self._outputs[key] = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [
+                    self.tokenizer.eos_token_id]
+            full = self._outputs[key]
+            start = len(r.prefix_ids)
+            piece = full[start:start + r.max_new_tokens]
+            results.append(SegmentResult(piece, [0.0] * len(piece), start + len(piece) == len(full),
+                                         self.policy_version))
+        return results
+
+    def update_weights(self, version, weights) -> None:
+        self.policy_version = version

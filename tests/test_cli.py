@@ -1,0 +1,49 @@
+"""The `marsrl` command end to end on the tiny model: eval, train (as built so far), sql, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from marsrl_core.cli import main
+from marsrl_core.store import SegmentStore
+from tests.test_problems import _aime
+
+
+@pytest.fixture
+def where(tmp_path):
+    return ["--set", f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", "--set", f"store.data_path={tmp_path}/data",
+            "--set", f"output_dir={tmp_path}/out", "--set", "evaluation.k=1", "--set", "evaluation.num_problems=3",
+            "--set", "evaluation.max_rounds=2"]
+
+
+def test_eval_on_aime_records_metrics_and_rejects_oversized_prompts(where, tmp_path, capsys):
+    code = main(["eval", *where, "--set", f"evaluation.dataset={_aime()}", "--set", "model.max_prompt_tokens=250"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Solver accuracy" in out and "V-C system accuracy" in out
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    [row] = store.query("SELECT metrics_json, dataset FROM evaluations").to_pylist()
+    metrics = json.loads(row["metrics_json"])
+    assert metrics["problems"] == 3 and 0.0 <= metrics["solver_acc"] <= 1.0
+    rejected = store.query("SELECT reason FROM rejected_inputs").column("reason").to_pylist()
+    assert rejected and all("over the input limit of 250" in r for r in rejected)
+
+
+def test_train_prepares_a_run_and_sql_reads_it(where, capsys):
+    assert main(["train", *where]) == 0
+    assert "before" in capsys.readouterr().out
+    assert main(["sql", *where, "SELECT count(*) AS n FROM problems"]) == 0
+    assert "64" in capsys.readouterr().out
+
+
+def test_user_errors_exit_2_with_a_clear_line(where, tmp_path, capsys):
+    assert main(["eval", *where, "--set", f"model.path={tmp_path}/no-model"]) == 2
+    assert "model.path=" in capsys.readouterr().err
+    assert main(["eval", *where, "--set", f"evaluation.dataset={tmp_path}/none.jsonl"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["sql", "--set", f"store.catalog_url=sqlite:{tmp_path}/absent.sqlite", "SELECT 1"]) == 2
+    assert "no such store" in capsys.readouterr().err
+    assert main(["eval", *where, "--set", "engine.name=openai"]) == 2
+    assert "not built yet" in capsys.readouterr().err

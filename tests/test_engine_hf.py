@@ -1,0 +1,92 @@
+"""The transformers engine on a tiny model: segments, log-probs, EOS, weight updates, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, generate
+from marsrl_core.engines.hf import HFEngine, load_safetensors_state
+from marsrl_core.tiny import build_tiny_model
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=128)
+
+
+@pytest.fixture
+def engine(folder):
+    return HFEngine.from_pretrained(folder)
+
+
+def _ids(engine, *texts):
+    return [engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def test_segments_continue_exactly_like_one_call(engine):
+    prompts = _ids(engine, "S|1+2|", "S|3+4+5+6+7|", "V|9|")  # different lengths: left padding matters
+    whole = generate(engine, prompts, 30, 30, GREEDY)
+    pieces = generate(engine, prompts, 30, 7, GREEDY)
+    for a, b in zip(whole, pieces):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_equal_a_separate_forward_pass(engine, temperature):
+    prompts = _ids(engine, "S|1+2|", "C|5+5|x|y|")
+    outs = generate(engine, prompts, 20, 6, SamplingParams(temperature=temperature, seed=1))
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logits = engine.model(ids).logits[0].float() / (temperature or 1.0)
+        logprobs = torch.log_softmax(logits, -1)
+        ref = [float(logprobs[len(prompt) - 1 + j, t]) for j, t in enumerate(out.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+
+
+def test_eos_inside_a_segment_finishes_the_request(engine):
+    prompt = _ids(engine, "S|1+2|")[0]
+    free = engine.decode_segment([SegmentRequest(prompt, (), 10, GREEDY)])[0]
+    assert not free.finished and len(free.token_ids) == 10  # a random model never says EOS
+    # Declare the 4th greedy token the end-of-sequence token: decoding must stop right there.
+    engine.eos_id = free.token_ids[3]
+    first = free.token_ids.index(engine.eos_id)
+    stopped = engine.decode_segment([SegmentRequest(prompt, (), 10, GREEDY)])[0]
+    assert stopped.finished and stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: first + 1]
+
+
+def test_weight_update_changes_output_and_version(engine, folder, tmp_path):
+    prompts = _ids(engine, "S|1+2|")
+    before = engine.decode_segment([SegmentRequest(prompts[0], (), 12, GREEDY)])[0]
+    other = build_tiny_model(tmp_path / "other", max_position_embeddings=128, seed=7)
+    engine.update_weights(3, load_safetensors_state(other))
+    after = engine.decode_segment([SegmentRequest(prompts[0], (), 12, GREEDY)])[0]
+    assert before.policy_version == 0 and after.policy_version == 3
+    assert after.token_ids != before.token_ids
+    engine.update_weights(4, folder)  # from a checkpoint folder: back to the first weights
+    again = engine.decode_segment([SegmentRequest(prompts[0], (), 12, GREEDY)])[0]
+    assert again.token_ids == before.token_ids and again.policy_version == 4
+
+
+def test_request_longer_than_context_is_a_clear_error(engine):
+    long_prompt = [5] * 120
+    with pytest.raises(EngineError, match="request 1: .* exceeds the model's context of 128"):
+        engine.decode_segment([SegmentRequest([5], (), 4, GREEDY), SegmentRequest(long_prompt, (), 16, GREEDY)])
+
+
+def test_bad_checkpoints_and_folders(tmp_path, folder):
+    with pytest.raises(EngineError, match="no .safetensors"):
+        load_safetensors_state(tmp_path)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    data = (folder / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(EngineError, match="cannot be read"):
+        load_safetensors_state(cut)
+    with pytest.raises(EngineError, match="not found or has no config.json"):
+        HFEngine.from_pretrained(tmp_path / "missing")

@@ -1,0 +1,50 @@
+"""Evaluation metrics computed from outputs the test chooses (a scripted engine)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from marsrl_core.engines.base import SamplingParams, TextGenerator
+from marsrl_core.evaluation import evaluate
+from marsrl_core.problems import Problem
+from marsrl_core.roles import TINY_TEMPLATES, Roles
+from tests.scripted import ScriptedEngine
+
+BUDGET = {"solver": 64, "verifier": 64, "corrector": 64}
+
+
+def test_metrics_match_a_hand_count():
+    # Problem a: the solver is right; the verifier wrongly flags it; the corrector keeps it right.
+    # Problem b: the solver is wrong; the verifier catches it; the corrector fixes it.
+    # Problem c: the solver is wrong; the verifier misses it; the corrector breaks nothing it could.
+    problems = [Problem("a", "1+1", "2"), Problem("b", "2+2", "4"), Problem("c", "3+3", "6")]
+    solver = {"1+1": "Answer: 2", "2+2": "Answer: 5", "3+3": "Answer: 7"}
+    verifier = {"1+1": "Correctness: Wrong", "2+2": "Correctness: Wrong", "3+3": "Correctness: Correct"}
+    corrector = {"1+1": "Answer: 2", "2+2": "Answer: 4", "3+3": "Answer: 9"}
+
+    def script(prompt):
+        role, problem = prompt.split("|")[:2]
+        return {"S": solver, "V": verifier, "C": corrector}[role][problem]
+
+    engine = ScriptedEngine(script)
+    gen = TextGenerator(engine, engine.tokenizer, 8, SamplingParams(temperature=0))
+    report = evaluate(gen, Roles.from_config(base=TINY_TEMPLATES), problems, k=2, max_tokens=BUDGET,
+                      accept_after=2, max_rounds=3)
+    assert report.solver_acc == pytest.approx(2 / 6)
+    assert report.verifier_recall == pytest.approx(2 / 4)  # b caught twice, c missed twice
+    assert report.verifier_precision == pytest.approx(2 / 4)  # 4 Wrong verdicts, 2 on wrong solutions
+    assert report.verifier_bal_acc == pytest.approx((0.5 + 0.0) / 2)
+    assert report.corrector_fix == pytest.approx(2 / 4) and report.corrector_break == 0.0
+    # V-C: a is flagged then "corrected" to the same right answer; b fixed; c accepted while wrong.
+    assert report.vc_acc == pytest.approx(4 / 6)
+    assert report.tokens_per_problem > 0 and report.verifier_unparsable == 0
+
+
+def test_rates_without_cases_are_nan():
+    engine = ScriptedEngine(lambda p: "Answer: 2" if p[0] in "SC" else "Correctness: Correct")
+    gen = TextGenerator(engine, engine.tokenizer, 8, SamplingParams(temperature=0))
+    report = evaluate(gen, Roles.from_config(base=TINY_TEMPLATES), [Problem("a", "1+1", "2")], k=1,
+                      max_tokens=BUDGET, accept_after=1)
+    assert report.solver_acc == 1.0 and math.isnan(report.corrector_fix) and report.vc_acc == 1.0
