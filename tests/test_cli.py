@@ -47,3 +47,20 @@ def test_user_errors_exit_2_with_a_clear_line(where, tmp_path, capsys):
     assert "no such store" in capsys.readouterr().err
     assert main(["eval", *where, "--set", "engine.name=openai"]) == 2
     assert "not built yet" in capsys.readouterr().err
+
+
+def test_sql_interactive_prompt_reports_errors_and_goes_on(where, monkeypatch, capsys):
+    assert main(["train", *where]) == 0
+    lines = iter(["SELECT count(*) AS n FROM problems", "SELECT * FROM no_such_table", "SELECT 41 + 1 AS x"])
+
+    def fake_input(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    capsys.readouterr()
+    assert main(["sql", *where]) == 0
+    out = capsys.readouterr().out
+    assert "64" in out and "error" in out and "42" in out
