@@ -165,7 +165,7 @@ class SegmentStore:
         self.max_retries = max_retries
         self.lock_retries = 0
         self._lock = threading.RLock()
-        self._known_samples: set[str] = set()
+        self._known_samples: set[tuple[str, str]] = set()  # (run_id, sample_id) seen in the store
         self._con = self._connect(create)
 
     @classmethod
@@ -342,7 +342,7 @@ class SegmentStore:
                 self._insert(con, table, batch)
 
         self._transaction(body)
-        self._known_samples |= new_ids
+        self._known_samples |= {(run_id, sid) for sid in new_ids}
 
     def commit_step(
         self,
@@ -401,14 +401,14 @@ class SegmentStore:
 
     # ------------------------------------------------------------------ validation and batches
     def _check_known(self, run_id: str, sample_ids: set[str]) -> None:
-        unknown = sample_ids - self._known_samples
+        unknown = {sid for sid in sample_ids if (run_id, sid) not in self._known_samples}
         if not unknown:
             return
         found = self._read(
             f"SELECT DISTINCT s.sample_id FROM {CATALOG}.samples s JOIN _ids USING (sample_id) WHERE s.run_id = ?",
             [run_id], {"_ids": pa.table({"sample_id": pa.array(sorted(unknown), pa.string())})},
         ).column("sample_id").to_pylist()
-        self._known_samples |= set(found)
+        self._known_samples |= {(run_id, sid) for sid in found}
         missing = unknown - set(found)
         if missing:
             shown = ", ".join(sorted(missing)[:5])

@@ -126,3 +126,9 @@ def test_rows_survive_reopen_and_compaction(store_paths):
     assert result["files_after"] < result["files_before"]
     assert second.count("segments", RUN) == 100
     assert second.load_samples(RUN, ["g3-7"])["g3-7"].token_ids.tolist() == [1, 2]
+
+
+def test_sample_ids_are_known_per_run(store):
+    ids = _group(store, "g")
+    with pytest.raises(StoreError, match="unknown sample id.*'other-run'"):
+        store.append("other-run", segments=[SegmentRow(ids[0], 0, [1], [-0.1], 0, "stop")])
