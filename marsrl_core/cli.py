@@ -100,7 +100,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run_id = f"{cfg.run_name}-eval-{uuid.uuid4().hex[:8]}"
     store.create_run(run_id, cfg.model_dump(mode="json"))
     with console.status("evaluating"):
-        report = evaluate_policy(cfg, store, run_id, "eval", console)
+        report = evaluate_policy(cfg, store, run_id, "eval")
     print_report(console, {"eval": report})
     console.print(f"recorded as run {run_id} (table evaluations)")
     return 0

@@ -60,9 +60,7 @@ def print_report(console: Console, reports: dict[str, EvalReport]) -> None:
     console.print(table)
 
 
-def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: str,
-                    console: Console | None = None) -> EvalReport:
-    console = console or Console()
+def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: str) -> EvalReport:
     folder = policy_folder(cfg)
     engine = make_engine(cfg, folder)
     problems = evaluation_problems(cfg, store, run_id, engine.tokenizer)
@@ -87,7 +85,7 @@ def train(cfg: MarsRLConfig, console: Console | None = None, num_problems: int =
     added = store.add_problems(run_id, make_problems(num_problems, cfg.seed))
     console.print(f"run [bold]{run_id}[/bold]: {added} synthetic problems recorded in {cfg.store.catalog_url}")
     with console.status("evaluating the starting policy"):
-        report = evaluate_policy(cfg, store, run_id, "before", console)
+        report = evaluate_policy(cfg, store, run_id, "before")
     print_report(console, {"before": report})
     console.print("rollouts and the learner are not built yet (see README, Status); inspect the run with: "
                   f"marsrl sql \"SELECT * FROM evaluations WHERE run_id = '{run_id}'\"")

@@ -90,3 +90,12 @@ def test_bad_checkpoints_and_folders(tmp_path, folder):
         load_safetensors_state(cut)
     with pytest.raises(EngineError, match="not found or has no config.json"):
         HFEngine.from_pretrained(tmp_path / "missing")
+
+
+def test_seeded_sampling_is_reproducible_and_independent_per_prompt(engine):
+    prompts = _ids(engine, "S|1+2|", "S|1+2|")  # the same prompt twice, as k samples of one problem
+    hot = SamplingParams(temperature=1.0, seed=11)
+    first = generate(engine, prompts, 24, 5, hot)
+    again = generate(engine, prompts, 24, 5, hot)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert first[0].token_ids != first[1].token_ids

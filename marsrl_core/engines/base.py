@@ -16,7 +16,7 @@ tokenizer's `eos_token_id`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 
@@ -77,12 +77,17 @@ class Completion:
 
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, segment_tokens: int,
              sampling: SamplingParams = SamplingParams()) -> list[Completion]:
-    """Decode every prompt to its end (EOS) or `max_tokens`, one batched segment at a time."""
+    """Decode every prompt to its end (EOS) or `max_tokens`, one batched segment at a time.
+
+    With a seed, prompt i samples under its own seed derived from (seed, i): identical prompts still
+    give independent samples, and the same call gives the same outputs again."""
     outputs = [Completion() for _ in prompts]
+    per_prompt = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed * 65_537 + i)
+                  for i in range(len(prompts))]
     active = list(range(len(prompts)))
     while active:
         requests = [SegmentRequest(prompts[i], outputs[i].token_ids,
-                                   min(segment_tokens, max_tokens - len(outputs[i].token_ids)), sampling)
+                                   min(segment_tokens, max_tokens - len(outputs[i].token_ids)), per_prompt[i])
                     for i in active]
         results = engine.decode_segment(requests)
         still = []
