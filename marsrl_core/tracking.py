@@ -1,0 +1,80 @@
+"""MLflow tracking (imported lazily, so the library works without starting MLflow).
+
+One MLflow run per training run, with the config flattened into params. Per step and agent the
+learner's metrics are logged as `<agent>/<metric>` with `step`; each published checkpoint is logged
+as artifacts under `checkpoints/v<step>`, registered as a version of the registered model
+(`tracking.registered_model_name`), and the alias `newest` points at it (MLflow reserves `latest`).
+
+The tracking URI is `MLFLOW_TRACKING_URI` when set, else `tracking.mlflow_tracking_uri`
+(default `sqlite:///mlflow.db`).
+
+Deliberate simplification: every committed version is registered, so the alias is the newest
+version, not a separately judged "best" one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+NEWEST_ALIAS = "newest"
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else key, inner, out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def tracking_uri(configured: str) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI", configured)
+
+
+class Tracker:
+    """An open MLflow run."""
+
+    def __init__(self, tracking_config: Any, run_name: str, params: dict[str, Any]):
+        import mlflow
+        from mlflow import MlflowClient
+
+        self._mlflow = mlflow
+        mlflow.set_tracking_uri(tracking_uri(tracking_config.mlflow_tracking_uri))
+        mlflow.set_experiment(tracking_config.experiment_name)
+        self.client = MlflowClient()
+        self.model_name = tracking_config.registered_model_name
+        self.run = mlflow.start_run(run_name=run_name)
+        self.run_id = self.run.info.run_id
+        flat = {k: str(v)[:500] for k, v in _flatten("", params, {}).items()}
+        items = list(flat.items())
+        for start in range(0, len(items), 100):
+            mlflow.log_params(dict(items[start:start + 100]))
+
+    def log_step(self, step: int, metrics: dict[str, dict[str, float]]) -> None:
+        flat = {f"{agent}/{name}": float(value) for agent, m in metrics.items() for name, value in m.items()}
+        self._mlflow.log_metrics(flat, step=step)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self._mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_checkpoint(self, folder: Path, version: int) -> str:
+        """Log a checkpoint folder as artifacts and point the `newest` alias at it."""
+        path = f"checkpoints/v{version}"
+        self._mlflow.log_artifacts(str(folder), artifact_path=path)
+        source = f"{self.run.info.artifact_uri}/{path}"
+        try:
+            self.client.get_registered_model(self.model_name)
+        except Exception:
+            self.client.create_registered_model(self.model_name)
+        model_version = self.client.create_model_version(self.model_name, source=source, run_id=self.run_id)
+        self.client.set_registered_model_alias(self.model_name, NEWEST_ALIAS, model_version.version)
+        return source
+
+    def log_figure(self, figure: Any, name: str) -> None:
+        self._mlflow.log_figure(figure, name)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
