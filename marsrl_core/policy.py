@@ -4,7 +4,8 @@
 tiny model built from the `model.tiny_*` fields into `<output_dir>/tiny-model-<hash of those
 fields>` (built once, then reused). `make_engine(cfg, folder)` opens the configured engine on it.
 
-Deliberate simplification: only the `hf` engine exists so far; asking for `vllm` or `openai` says so.
+Deliberate simplification: the `openai` engine assumes the server serves the same model folder
+(its tokenizer is loaded locally from `folder`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,21 @@ def policy_folder(cfg: MarsRLConfig) -> Path:
 
 
 def make_engine(cfg: MarsRLConfig, folder: Path):
+    """The configured engine serving the policy in `folder` (for `openai`, the server serves it)."""
     if cfg.engine.name == "hf":
         from marsrl_core.engines.hf import HFEngine
 
         return HFEngine.from_pretrained(folder, dtype=cfg.model.dtype)
-    raise EngineError(f"engine.name={cfg.engine.name!r}: this engine is not built yet; use 'hf'")
+    if cfg.engine.name == "vllm":
+        from marsrl_core.engines.vllm import VLLMEngine
+
+        return VLLMEngine(folder, dtype=cfg.model.dtype, seed=cfg.seed,
+                          gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+                          tensor_parallel_size=cfg.engine.tensor_parallel_size)
+    from transformers import AutoTokenizer
+
+    from marsrl_core.engines.openai import OpenAIEngine
+
+    if not cfg.engine.base_url:
+        raise EngineError("engine.base_url: required for engine 'openai' (e.g. http://host:8000/v1)")
+    return OpenAIEngine(cfg.engine.base_url, tokenizer=AutoTokenizer.from_pretrained(folder))

