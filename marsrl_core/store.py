@@ -103,6 +103,7 @@ class StoredSample:
     finish_reason: str | None
     reward: float | None = None
     parsed: str | None = None
+    num_segments: int = 0
 
 
 @dataclass
@@ -528,7 +529,7 @@ class SegmentStore:
                 versions=np.concatenate([np.full(len(t), p["policy_version"], np.int64) for t, p in zip(tokens, parts)])
                 if parts else np.zeros(0, np.int64),
                 finish_reason=parts[-1]["finish_reason"] if parts else None,
-                reward=m["reward"], parsed=m["parsed"],
+                reward=m["reward"], parsed=m["parsed"], num_segments=len(parts),
             )
         missing = [sid for sid in sample_ids if sid not in result]
         if missing:

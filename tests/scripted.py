@@ -1,7 +1,9 @@
 """A scripted engine for tests: the test chooses each output text from the prompt text.
 
 It implements the real segment interface (prefix continuation, segment limits, EOS) over the tiny
-character tokenizer, so everything above it (TextGenerator, the V-C loop, evaluation) runs unchanged.
+character tokenizer, so everything above it (TextGenerator, the V-C loop, evaluation, the rollout
+scheduler) runs unchanged. The script is called once per new output, identified by its prompt and its
+sampling seed (each rollout sample has its own seed), so a counting script can vary a group's outputs.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ class ScriptedEngine:
         self.script = script
         self.policy_version = 0
         self.calls: list[str] = []
-        self._outputs: dict[tuple[int, ...], list[int]] = {}
+        self._outputs: dict[tuple, list[int]] = {}
+        self.max_positions = None
 
     def decode_segment(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
         results = []
         for r in requests:
-            key = tuple(r.prompt_ids)
+            key = (tuple(r.prompt_ids), r.sampling.seed)
             if not r.prefix_ids or key not in self._outputs:
                 prompt = self.tokenizer.decode(list(r.prompt_ids))
                 self.calls.append(prompt)

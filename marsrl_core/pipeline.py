@@ -1,0 +1,138 @@
+"""Training loops that couple the rollout scheduler and the learner in one process.
+
+- `pipelined` (MarsRL): the learner runs in its own thread, polling the store for complete groups
+  and training on them as soon as `groups_per_step` of some agent are ready, while the scheduler
+  keeps decoding segments; each new version is offered to the scheduler, which applies it at a stage
+  boundary within the staleness bound. torch releases the GIL in its kernels, so both use the CPU.
+- `synchronous` (the baseline): decode a whole batch of trajectories to their end, then train on
+  everything it produced, then update the engine, and repeat.
+
+Both stop after `max_steps` learner steps. They meet only through the store (groups, consumptions,
+versions) and the offered weights, exactly as separate rollout and learner processes do.
+
+Deliberate simplification: one learner thread; the rollout is the calling thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from marsrl_core.learner import Learner, StepReport
+from marsrl_core.rollout import RolloutScheduler
+from marsrl_core.store import SegmentStore, TrainableGroup
+
+AGENTS = ("solver", "verifier", "corrector")
+
+
+@dataclass
+class LoopResult:
+    steps: int = 0
+    wall_clock_s: float = 0.0
+    stages: int = 0
+    learner_busy_s: float = 0.0
+    rollout_busy_s: float = 0.0
+    reports: list[StepReport] = field(default_factory=list)
+
+    @property
+    def learner_utilisation(self) -> float:
+        return self.learner_busy_s / self.wall_clock_s if self.wall_clock_s else 0.0
+
+    @property
+    def rollout_utilisation(self) -> float:
+        return self.rollout_busy_s / self.wall_clock_s if self.wall_clock_s else 0.0
+
+
+def ready_groups(store: SegmentStore, run_id: str, per_agent: int, flush: bool = False) -> list[TrainableGroup]:
+    """Up to `per_agent` complete groups per agent; empty unless some agent has `per_agent` ready
+    (or `flush`, at the end of a run, when any ready group counts)."""
+    by_agent = {agent: store.trainable_groups(run_id, agent, limit=per_agent) for agent in AGENTS}
+    if not flush and all(len(g) < per_agent for g in by_agent.values()):
+        return []
+    return [g for groups in by_agent.values() for g in groups]
+
+
+def _offer(scheduler: RolloutScheduler, learner: Learner, report: StepReport) -> None:
+    weights = {agent: learner.state_dict(agent) for agent in AGENTS}
+    snapshot = {agent: {k: v.clone() for k, v in w.items()} for agent, w in weights.items()}
+    scheduler.offer_weights(report.step, snapshot)
+
+
+def run_pipelined(scheduler: RolloutScheduler, learner: Learner, max_steps: int,
+                  on_step: Callable[[StepReport], None] | None = None) -> LoopResult:
+    result = LoopResult()
+    store, run_id = learner.store, learner.run_id
+    per_agent = learner.cfg.learner.groups_per_step
+    rollout_done = threading.Event()
+    failure: list[BaseException] = []
+
+    def learn() -> None:
+        try:
+            while learner.step < max_steps:
+                groups = ready_groups(store, run_id, per_agent, flush=rollout_done.is_set())
+                if not groups:
+                    if rollout_done.is_set():
+                        return
+                    time.sleep(0.02)
+                    continue
+                start = time.perf_counter()
+                report = learner.train_step(groups)
+                _offer(scheduler, learner, report)
+                result.learner_busy_s += time.perf_counter() - start
+                result.reports.append(report)
+                if on_step:
+                    on_step(report)
+        except BaseException as err:  # surfaced in the calling thread
+            failure.append(err)
+
+    start = time.perf_counter()
+    thread = threading.Thread(target=learn, name="marsrl-learner", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive() and not scheduler.finished():
+            t = time.perf_counter()
+            scheduler.stage()
+            result.rollout_busy_s += time.perf_counter() - t
+            result.stages += 1
+    finally:
+        rollout_done.set()
+        thread.join()
+    if failure:
+        raise failure[0]
+    result.steps = learner.step
+    result.wall_clock_s = time.perf_counter() - start
+    return result
+
+
+def run_synchronous(scheduler: RolloutScheduler, learner: Learner, max_steps: int,
+                    on_step: Callable[[StepReport], None] | None = None) -> LoopResult:
+    result = LoopResult()
+    store, run_id = learner.store, learner.run_id
+    per_agent = learner.cfg.learner.groups_per_step
+    scheduler.synchronous = True  # admit a new batch only when the previous one has fully ended
+    start = time.perf_counter()
+    while learner.step < max_steps and not scheduler.finished():
+        t = time.perf_counter()
+        scheduler.stage()  # admits a batch (only when idle, in synchronous mode)
+        while scheduler.active_problems:
+            scheduler.stage()
+            result.stages += 1
+        result.rollout_busy_s += time.perf_counter() - t
+        result.stages += 1
+        t = time.perf_counter()
+        while learner.step < max_steps:
+            groups = ready_groups(store, run_id, per_agent, flush=True)
+            if not groups:
+                break
+            report = learner.train_step(groups)
+            result.reports.append(report)
+            if on_step:
+                on_step(report)
+        if result.reports:
+            _offer(scheduler, learner, result.reports[-1])
+        result.learner_busy_s += time.perf_counter() - t
+    result.steps = learner.step
+    result.wall_clock_s = time.perf_counter() - start
+    return result

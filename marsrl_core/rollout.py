@@ -1,0 +1,380 @@
+"""Grouped agentic rollouts decoded in segments: the MarsRL pipeline scheduler.
+
+A trajectory unrolls Solver -> Verifier -> Corrector -> Verifier -> Corrector (`max_turns` <= 5).
+Per problem the Solver samples a group of `num_generations`; once every group of a turn of that
+problem has finished, the next agent selects `select_inputs` of those outputs (see `selection.py`)
+and samples a group of `downstream_generations` for each. Only Verifier outputs with a `Wrong`
+verdict can feed a Corrector; when none is left, that problem's trajectory ends.
+
+The scheduler runs in stages. A stage
+1. applies a newer policy version if one was offered and no in-flight sample would then span more
+   than `max_staleness` versions (otherwise it waits, and admits no new problems so the old samples
+   drain: the bound is never exceeded);
+2. admits new problems up to `problems_per_batch` in flight;
+3. decodes one segment (`segment_tokens`, capped by each agent's remaining budget) for every
+   unfinished sample in one engine batch;
+4. rewards what finished (decoupled: at once; shared: when the problem's trajectories end), creates
+   the downstream groups whose inputs are now complete, and appends new samples, the segments and
+   the rewards to the store in one transaction.
+Outputs cut by their budget are `budget`-finished and rewarded `truncated_reward`.
+
+Shared reward (the ablation baseline): a turn's reward is the final outcome of the trajectory through
+it (is the last solution right?); when a turn feeds several trajectories, the mean of their outcomes.
+
+`RolloutScheduler.resume()` rebuilds the state from the store after a crash: finished samples keep
+their rewards, unfinished ones continue from their stored prefix, nothing stored is decoded again.
+
+Deliberate simplifications: a downstream turn waits for all groups of the previous turn of the same
+problem (not just one group); prompts that do not fit the engine's context with their budget are
+rejected and recorded, and that branch ends.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from marsrl_core.config import MarsRLConfig
+from marsrl_core.engines.base import SamplingParams, SegmentRequest
+from marsrl_core.problems import Problem
+from marsrl_core.rewards import Judgement, judge
+from marsrl_core.roles import CORRECTOR, SOLVER, VERIFIER, WRONG, Roles, parse_bug_report
+from marsrl_core.selection import select_inputs
+from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore
+
+
+def agent_of_turn(turn: int) -> str:
+    return SOLVER if turn == 0 else (VERIFIER if turn % 2 == 1 else CORRECTOR)
+
+
+@dataclass(eq=False)
+class Sample:
+    sample_id: str
+    problem: Problem
+    agent: str
+    turn: int
+    group_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    parent: "Sample | None" = None
+    token_ids: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    segments: int = 0
+    finish: str | None = None  # "stop" or "budget" once finished
+    text: str = ""
+    judgement: Judgement | None = None
+    children: list["Sample"] = field(default_factory=list)
+
+    @property
+    def start_version(self) -> int | None:
+        return self.versions[0] if self.versions else None
+
+    @property
+    def solution(self) -> "Sample":
+        """The solution this sample is about: itself for Solver/Corrector, the judged one for a Verifier."""
+        return self if self.agent != VERIFIER else self.parent
+
+
+@dataclass
+class ProblemState:
+    problem: Problem
+    turns: dict[int, list[Sample]] = field(default_factory=dict)
+    done: bool = False
+
+
+@dataclass
+class StageReport:
+    decoded: int = 0
+    tokens: int = 0
+    finished: int = 0
+    new_samples: int = 0
+    version: int = 0
+    admitted: int = 0
+
+
+class RolloutScheduler:
+    def __init__(self, cfg: MarsRLConfig, store: SegmentStore, run_id: str, engine: Any, tokenizer: Any,
+                 roles: Roles, problems: Iterator[Problem], *, seed: int = 0, max_problems: int | None = None):
+        """`engine`: one engine for all agents (shared policy) or a dict agent -> engine (per-agent)."""
+        self.cfg, self.rc = cfg, cfg.rollout
+        self.store, self.run_id = store, run_id
+        self.engines = engine if isinstance(engine, dict) else {a: engine for a in (SOLVER, VERIFIER, CORRECTOR)}
+        self.engine = self.engines[SOLVER]
+        self.tokenizer, self.roles = tokenizer, roles
+        self.problems = problems
+        self.max_problems = max_problems
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.states: dict[str, ProblemState] = {}
+        self.admitted = 0
+        self.pending: tuple[int, Any] | None = None
+        self.exhausted = False
+        self.context = getattr(self.engine, "max_positions", None) or getattr(self.engine, "max_model_len", None)
+        self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0}
+        self.synchronous = self.rc.synchronous
+
+    # ------------------------------------------------------------------ policy versions
+    @property
+    def version(self) -> int:
+        return self.engine.policy_version
+
+    def offer_weights(self, version: int, weights: Any) -> None:
+        """A newer policy (weights, or a dict agent -> weights); applied at the next stage boundary the
+        staleness bound allows."""
+        self.pending = (version, weights)
+
+    def _apply_pending(self) -> bool:
+        if self.pending is None:
+            return True
+        version, weights = self.pending
+        oldest = min((s.start_version for s in self.in_flight() if s.start_version is not None), default=version)
+        if version - oldest > self.rc.max_staleness:
+            self.stats["deferred_updates"] += 1
+            return False
+        done: set[int] = set()
+        for agent, engine in self.engines.items():
+            if id(engine) not in done:
+                engine.update_weights(version, weights[agent] if isinstance(weights, dict) and agent in weights
+                                      else weights)
+                done.add(id(engine))
+        self.pending = None
+        return True
+
+    # ------------------------------------------------------------------ state
+    def in_flight(self) -> list[Sample]:
+        return [s for st in self.states.values() if not st.done for t in st.turns.values() for s in t
+                if s.finish is None]
+
+    @property
+    def active_problems(self) -> int:
+        return sum(not st.done for st in self.states.values())
+
+    def finished(self) -> bool:
+        """No problem in flight and no more to admit."""
+        return self.active_problems == 0 and (self.exhausted or self._at_problem_limit())
+
+    def _at_problem_limit(self) -> bool:
+        return self.max_problems is not None and self.admitted >= self.max_problems
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _new_group(self, problem: Problem, turn: int, size: int, prompt_text: str, parent: Sample | None,
+                   rejected: list[tuple[str, str, str, str]]) -> list[Sample]:
+        agent = agent_of_turn(turn)
+        prompt_ids = self._encode(prompt_text)
+        budget = self.rc.max_tokens(agent)
+        if self.context is not None and len(prompt_ids) + budget > self.context:
+            self.stats["rejected_prompts"] += 1
+            rejected.append((f"rollout:{problem.problem_id}", f"turn {turn}",
+                             f"{agent} prompt of {len(prompt_ids)} tokens + budget {budget} exceeds the engine "
+                             f"context of {self.context}", prompt_text[:500]))
+            return []
+        group_id = uuid.uuid4().hex
+        samples = [Sample(f"{group_id}-{i}", problem, agent, turn, group_id, prompt_ids, budget, parent)
+                   for i in range(size)]
+        if parent is not None:
+            parent.children.extend(samples)
+        return samples
+
+    def _admit(self, rejected) -> list[Sample]:
+        created: list[Sample] = []
+        if self.synchronous and self.active_problems:  # the baseline admits a new batch only when idle
+            return []
+        while self.active_problems < self.rc.problems_per_batch and not self._at_problem_limit():
+            try:
+                problem = next(self.problems)
+            except StopIteration:
+                self.exhausted = True
+                break
+            self.admitted += 1
+            state = ProblemState(problem)
+            self.states[problem.problem_id] = state
+            group = self._new_group(problem, 0, self.rc.num_generations,
+                                    self.roles.prompt(self.tokenizer, SOLVER, problem.prompt), None, rejected)
+            state.turns[0] = group
+            state.done = not group
+            created += group
+        return created
+
+    # ------------------------------------------------------------------ one stage
+    def stage(self) -> StageReport:
+        report = StageReport()
+        self.stats["stages"] += 1
+        rejected: list[tuple[str, str, str, str]] = []
+        created: list[Sample] = []
+        if self._apply_pending():
+            created = self._admit(rejected)
+            report.admitted = len({s.problem.problem_id for s in created})
+        report.version = self.version
+        active = self.in_flight()
+        segments: list[SegmentRow] = []
+        rewards: list[RewardRow] = []
+        if active:
+            sampling = [SamplingParams(self.rc.temperature, self.rc.top_p, self.rc.top_k,
+                                       seed=self._sample_seed(s)) for s in active]
+            requests = [SegmentRequest(s.prompt_ids, s.token_ids, min(self.rc.segment_tokens,
+                                                                     s.max_tokens - len(s.token_ids)), p)
+                        for s, p in zip(active, sampling)]
+            for sample, result in zip(active, self._decode(active, requests)):
+                sample.token_ids.extend(result.token_ids)
+                sample.versions.extend([result.policy_version] * len(result.token_ids))
+                if result.finished:
+                    sample.finish = "stop"
+                elif len(sample.token_ids) >= sample.max_tokens:
+                    sample.finish = "budget"
+                segments.append(SegmentRow(sample.sample_id, sample.segments, result.token_ids, result.logprobs,
+                                           result.policy_version, sample.finish or "length"))
+                sample.segments += 1
+                report.tokens += len(result.token_ids)
+                if sample.finish:
+                    self._judge(sample)
+                    report.finished += 1
+                    if self.rc.reward_mode == "decoupled":
+                        rewards.append(self._reward_row(sample, sample.judgement.reward))
+            report.decoded = len(active)
+        for state in self.states.values():
+            if not state.done:
+                created += self._advance(state, rejected, rewards)
+        report.new_samples = len(created)
+        self.store.append(self.run_id, [self._sample_row(s) for s in created], segments, rewards)
+        if rejected:
+            self.store.reject_many(self.run_id, rejected)
+        return report
+
+    def _decode(self, active: list[Sample], requests: list[SegmentRequest]) -> list[Any]:
+        """One engine batch per distinct engine (one in all when the policy is shared)."""
+        results: list[Any] = [None] * len(active)
+        by_engine: dict[int, list[int]] = {}
+        for i, sample in enumerate(active):
+            by_engine.setdefault(id(self.engines[sample.agent]), []).append(i)
+        for indices in by_engine.values():
+            engine = self.engines[active[indices[0]].agent]
+            for i, result in zip(indices, engine.decode_segment([requests[i] for i in indices])):
+                results[i] = result
+        return results
+
+    def _sample_seed(self, sample: Sample) -> int:
+        return zlib.crc32(f"{self.seed}:{sample.sample_id}".encode())
+
+    def _judge(self, sample: Sample) -> None:
+        sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        judged = sample.parent.solution.judgement.correct if sample.agent == VERIFIER else None
+        sample.judgement = judge(sample.agent, sample.text, reference=sample.problem.answer,
+                                 judged_solution_correct=judged, truncated=sample.finish == "budget",
+                                 truncated_reward=self.rc.truncated_reward)
+
+    def _advance(self, state: ProblemState, rejected, rewards: list[RewardRow]) -> list[Sample]:
+        """Create the next turn's groups once the current turn has finished; close the problem when done."""
+        turn = max(state.turns)
+        current = state.turns[turn]
+        if any(s.finish is None for s in current):
+            return []
+        created: list[Sample] = []
+        if turn + 1 < self.rc.max_turns:
+            created = self._downstream(state, turn + 1, current, rejected)
+        if created:
+            state.turns[turn + 1] = created
+            return created
+        state.done = True
+        if self.rc.reward_mode == "shared":
+            for samples in state.turns.values():
+                rewards += [self._reward_row(s, _shared_outcome(s)) for s in samples]
+        return []
+
+    def _downstream(self, state: ProblemState, turn: int, upstream: list[Sample], rejected) -> list[Sample]:
+        agent = agent_of_turn(turn)
+        problem = state.problem
+        if agent == VERIFIER:
+            candidates = upstream
+            preferred = lambda s: not s.judgement.correct  # noqa: E731  (incorrect solutions)
+        else:
+            candidates = [v for v in upstream if v.judgement.parsed == WRONG]
+            preferred = lambda v: not v.parent.solution.judgement.correct  # noqa: E731  (rightly flagged)
+        picks = select_inputs(candidates, self.rc.select_inputs, self.rc.selection, preferred, self.rng,
+                              self.rc.explore)
+        created: list[Sample] = []
+        for pick in picks:
+            if agent == VERIFIER:
+                text = self.roles.prompt(self.tokenizer, VERIFIER, problem.prompt, pick.text)
+            else:
+                text = self.roles.prompt(self.tokenizer, CORRECTOR, problem.prompt, pick.parent.solution.text,
+                                         parse_bug_report(pick.text))
+            created += self._new_group(problem, turn, self.rc.downstream_generations, text, pick, rejected)
+        return created
+
+    def _sample_row(self, s: Sample) -> SampleRow:
+        return SampleRow(s.sample_id, s.problem.problem_id, s.agent, s.turn, s.group_id,
+                         self.rc.num_generations if s.turn == 0 else self.rc.downstream_generations,
+                         s.prompt_ids, s.parent.sample_id if s.parent else None)
+
+    @staticmethod
+    def _reward_row(s: Sample, reward: float) -> RewardRow:
+        j = s.judgement
+        return RewardRow(s.sample_id, reward, j.correct, j.outcome, j.parsed, s.text)
+
+    # ------------------------------------------------------------------ driving
+    def run(self, max_stages: int | None = None) -> list[StageReport]:
+        """Run stages until every admitted problem is done and no more can be admitted."""
+        reports = []
+        while not self.finished() and (max_stages is None or len(reports) < max_stages):
+            reports.append(self.stage())
+        return reports
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, problems_by_id: dict[str, Problem]) -> int:
+        """Rebuild in-flight state from the store; returns how many samples were restored."""
+        rows = self.store.query(
+            "SELECT sample_id, problem_id, agent, turn, group_id, parent_sample_id FROM samples "
+            "WHERE run_id = ? ORDER BY turn", [self.run_id]).to_pylist()
+        if not rows:
+            return 0
+        stored = self.store.load_samples(self.run_id, [r["sample_id"] for r in rows])
+        by_id: dict[str, Sample] = {}
+        for r in rows:
+            problem = problems_by_id[r["problem_id"]]
+            st = stored[r["sample_id"]]
+            sample = Sample(r["sample_id"], problem, r["agent"], r["turn"], r["group_id"], st.prompt_tokens.tolist(),
+                            self.rc.max_tokens(r["agent"]), by_id.get(r["parent_sample_id"]))
+            if sample.parent is not None:
+                sample.parent.children.append(sample)
+            sample.token_ids = st.token_ids.tolist()
+            sample.versions = st.versions.tolist()
+            sample.segments = st.num_segments
+            if st.finish_reason in ("stop", "budget"):
+                sample.finish = st.finish_reason
+                self._judge(sample)
+            by_id[sample.sample_id] = sample
+            state = self.states.setdefault(problem.problem_id, ProblemState(problem))
+            state.turns.setdefault(sample.turn, []).append(sample)
+        self.admitted = len(self.states)
+        rewarded = set(self.store.query("SELECT sample_id FROM rewards WHERE run_id = ?", [self.run_id])
+                       .column("sample_id").to_pylist())
+        for state in self.states.values():
+            samples = [s for t in state.turns.values() for s in t]
+            if all(s.finish for s in samples) and self._is_closed(state, rewarded):
+                state.done = True
+        return len(by_id)
+
+    def _is_closed(self, state: ProblemState, rewarded: set[str]) -> bool:
+        """A fully finished problem is done unless it still owes a downstream turn (or shared rewards)."""
+        samples = [s for t in state.turns.values() for s in t]
+        if self.rc.reward_mode == "shared":
+            return all(s.sample_id in rewarded for s in samples)
+        last = max(state.turns)
+        if last + 1 >= self.rc.max_turns:
+            return True
+        if agent_of_turn(last + 1) == CORRECTOR:
+            return not any(v.judgement.parsed == WRONG for v in state.turns[last])
+        return False
+
+
+def _shared_outcome(sample: Sample) -> float:
+    """Mean final outcome of the trajectories through `sample` (1 if the last solution is right)."""
+    if sample.children:
+        return sum(_shared_outcome(c) for c in sample.children) / len(sample.children)
+    return 1.0 if sample.solution.judgement.correct else 0.0
