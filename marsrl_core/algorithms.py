@@ -4,8 +4,10 @@
   r - mean with `scale_rewards=False` (Dr. GRPO). A group whose rewards are all equal carries no
   signal and is dropped (returned as None).
 - `chunked_logprobs`: log-probs of target tokens and the policy entropy from final hidden states,
-  computing the vocabulary projection a chunk of positions at a time under activation checkpointing,
-  so neither forward nor backward holds a [tokens x vocab] tensor.
+  computing the vocabulary projection a chunk of positions at a time in forward and in a hand-written
+  backward, so neither holds a [tokens x vocab] tensor (activation checkpointing alone kept every
+  chunk's recomputed block alive until the end of backward: 4.5 GB instead of ~0.5 GB at 16K tokens).
+  The entropy is a metric, without gradient (the loss has no entropy bonus).
 - `policy_loss`: PPO clip with the ratio against the recorded behaviour log-probs (`epsilon` below,
   `epsilon_high` above: DAPO's clip-higher), token-level aggregation over the batch (`dapo`) or the
   mean per sequence then over sequences (`grpo`), optional k3 KL to a reference (`beta`), and
@@ -23,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
 def group_advantages(rewards: Sequence[float], scale_rewards: bool = True, eps: float = 1e-6) -> list[float] | None:
@@ -46,19 +47,51 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return chosen, entropy
 
 
+class _ChunkedLogprob(torch.autograd.Function):
+    """log p(target) from hidden states and the output matrix, one chunk of positions at a time in
+    both directions: backward recomputes each chunk's softmax and forms its gradients directly
+    (d logp / d z = (onehot - softmax) / T), so at most one [chunk x vocab] block is alive."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens: int, temperature: float):
+        logps, entropies = [], []
+        with torch.no_grad():
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                lp, ent = _chunk_logprobs(hidden[start:start + chunk_tokens], weight,
+                                          targets[start:start + chunk_tokens], temperature)
+                logps.append(lp)
+                entropies.append(ent)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk_tokens, ctx.temperature = chunk_tokens, temperature
+        entropy = torch.cat(entropies)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logps), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, targets = ctx.saved_tensors
+        chunk, temperature = ctx.chunk_tokens, ctx.temperature
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], chunk):
+            h, t, g = hidden[start:start + chunk], targets[start:start + chunk], grad_logp[start:start + chunk]
+            probs = torch.softmax((h @ weight.T).float() / temperature, dim=-1)
+            grad_z = probs.mul_(-g[:, None])
+            grad_z[torch.arange(len(t), device=t.device), t] += g
+            grad_z.div_(temperature)
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk] = (grad_z @ weight.float()).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_z.T, h.float())
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `targets` [T] and entropy [T] from hidden states [T, H] and the output matrix [V, H]."""
-    logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-        if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs, h, weight, t, temperature, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(h, weight, t, temperature)
-        logps.append(lp)
-        entropies.append(ent)
-    return torch.cat(logps), torch.cat(entropies)
+    """Log-probs of `targets` [T] and entropy [T] (a metric: no gradient) from hidden states [T, H] and
+    the output matrix [V, H], never holding more than one [chunk x V] block."""
+    return _ChunkedLogprob.apply(hidden, weight, targets, chunk_tokens, temperature)
 
 
 def naive_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

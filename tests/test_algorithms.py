@@ -71,8 +71,11 @@ def test_chunked_logprobs_equal_unchunked():
     weight = torch.randn(50, 16, requires_grad=True)
     targets = torch.randint(0, 50, (37,))
     lp1, ent1 = chunked_logprobs(hidden, weight, targets, chunk_tokens=8, temperature=0.9)
+    assert lp1.requires_grad
     lp2, ent2 = naive_logprobs(hidden, weight, targets, temperature=0.9)
     assert torch.allclose(lp1, lp2, atol=1e-5) and torch.allclose(ent1, ent2, atol=1e-5)
-    g1 = torch.autograd.grad((lp1.sum() + ent1.sum()), (hidden, weight))
-    g2 = torch.autograd.grad((lp2.sum() + ent2.sum()), (hidden, weight))
+    upstream = torch.randn(37)  # any per-token weighting, as the PPO loss applies
+    g1 = torch.autograd.grad((lp1 * upstream).sum(), (hidden, weight))
+    g2 = torch.autograd.grad((lp2 * upstream).sum(), (hidden, weight))
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g1, g2))
+    assert not ent1.requires_grad  # entropy is a metric
