@@ -1,4 +1,8 @@
-"""The `marsrl` command: configuration, the store's SQL console, and the jobs.
+"""The `marsrl` command's library half: configuration, the store's SQL console, evaluation.
+
+The Prefect half (`train`, `serve`, `rollout`, `learn`) lives in `flows/cli.py`, which adds its
+commands to this parser; the console script `marsrl` is `flows.cli:main`. This module never imports
+Prefect.
 
 Every subcommand that runs a job takes the same configuration options: `--preset`, `--config FILE`
 and repeated `--set dotted.key=value` overrides. Errors in user input (config, dataset, store path)
@@ -82,13 +86,6 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from marsrl_core.jobs import train
-
-    train(_config(args), console=console)
-    return 0
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     import uuid
 
@@ -106,35 +103,43 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentParser, dict]:
+    """The parser with the library's commands plus `extra_commands` (name -> (handler, help, setup)).
+
+    The Prefect layer (`flows/cli.py`) adds its commands here, so this module never imports it."""
     parser = argparse.ArgumentParser(prog="marsrl", description="MarsRL: multi-agent reasoning RL "
                                      "(Solver, Verifier, Corrector) with segment rollouts.")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {
-        "train": (cmd_train, "Run the main job on the configured preset (make train)."),
         "eval": (cmd_eval, "Evaluate Solver, Verifier, Corrector and the V-C loop (set evaluation.dataset=FILE)."),
         "config": (cmd_config, "Print the resolved configuration as YAML."),
         "sql": (cmd_sql, "Query a run's store with SQL (works while a run is writing)."),
         "compact": (cmd_compact, "DuckLake maintenance: merge small files, expire snapshots."),
     }
-    for name, (handler, help_text) in commands.items():
+    setups = {"sql": lambda c: c.add_argument("query", nargs="?",
+                                              help="SQL to run; without it an interactive prompt opens.")}
+    for name, (handler, help_text, setup) in (extra_commands or {}).items():
+        commands[name] = (handler, help_text)
+        setups[name] = setup
+    for name, (handler, help_text) in sorted(commands.items()):
         command = sub.add_parser(name, help=help_text, description=help_text)
         _add_config_options(command)
         command.set_defaults(handler=handler)
-        if name == "sql":
-            command.add_argument("query", nargs="?", help="SQL to run; without it an interactive prompt opens.")
-    return parser
+        if setups.get(name):
+            setups[name](command)
+    return parser, commands
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, extra_commands: dict | None = None) -> int:
+    from marsrl_core.checkpoint import CheckpointError
     from marsrl_core.engines.base import EngineError
     from marsrl_core.problems import DatasetError
     from marsrl_core.store import StoreError
 
-    args = build_parser().parse_args(argv)
+    args = build_parser(extra_commands)[0].parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, StoreError, DatasetError, EngineError) as err:
+    except (ConfigError, StoreError, DatasetError, EngineError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -76,6 +76,10 @@ class RolloutConfig(_Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
     max_staleness: int = Field(2, ge=0, description="Most policy versions a sample may span; admission pauses beyond it.")
     problems_per_batch: int = Field(128, ge=1, description="Problems admitted per rollout batch.")
+    batches_in_flight: int = Field(
+        2, ge=1, description="Pipelined mode: problem batches decoding at once (batch k's Verifiers beside batch "
+        "k+1's Solvers); the synchronous baseline always uses 1."
+    )
     reward_mode: Literal["decoupled", "shared"] = Field(
         "decoupled", description="'decoupled': each agent rewarded for its own job; 'shared': every turn gets the final outcome."
     )
@@ -119,6 +123,17 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory on long samples.")
     groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
     max_steps: int = Field(100, ge=1, description="Learner steps in a training run.")
+
+
+class DataConfig(_Section):
+    train_dataset: str | None = Field(
+        None, description="Training problems (jsonl/parquet/saved dataset); None generates the synthetic demo task."
+    )
+    question_field: str = Field("query", description="Dataset field holding the problem text.")
+    answer_field: str = Field("ans_box", description="Dataset field holding the reference answer.")
+    synthetic_min_terms: int = Field(3, ge=2, description="Synthetic task: fewest terms in a chain.")
+    synthetic_max_terms: int = Field(5, ge=2, description="Synthetic task: most terms in a chain.")
+    num_batches: int = Field(4, ge=1, description="Problem batches (rollout flows) in a training run.")
 
 
 class RolesConfig(_Section):
@@ -168,6 +183,7 @@ class MarsRLConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The generation engine.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Grouped agentic rollouts and segments.")
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The RL learner.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training problems.")
     roles: RolesConfig = Field(default_factory=RolesConfig, description="Prompt templates of the three agents.")
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation and the V-C loop.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="The DuckLake segment store.")

@@ -1,16 +1,15 @@
-"""The jobs behind the `marsrl` commands, as far as the system is built today.
+"""Evaluation jobs behind `marsrl eval` and the evaluate flow.
 
-- `train`: prepares a run (config, store, synthetic problems) and evaluates the starting policy.
-  Rollouts and the learner are added by later work (README, "Status"); this module then composes them.
-- `evaluate_policy`: `marsrl eval`: Solver, Verifier, Corrector and V-C metrics on a dataset (or on
-  held-out synthetic problems), recorded in the store and printed as a table.
+- `evaluate_policy`: Solver, Verifier, Corrector and V-C metrics of a policy on a dataset (or on
+  held-out synthetic problems), recorded in the store's `evaluations` table;
+- `print_report`: the before/after table.
 """
 
 from __future__ import annotations
 
 import math
 import time
-import uuid
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -44,7 +43,7 @@ def evaluation_problems(cfg: MarsRLConfig, store: SegmentStore, run_id: str, tok
     return loaded.problems[: ev.num_problems]
 
 
-def print_report(console: Console, reports: dict[str, EvalReport]) -> None:
+def print_report(console: Console, reports: dict[str, EvalReport | dict]) -> None:
     table = Table(title="evaluation (avg@k, held-out problems)")
     table.add_column("measure")
     for label in reports:
@@ -54,15 +53,16 @@ def print_report(console: Console, reports: dict[str, EvalReport]) -> None:
             ("Corrector fix rate", "corrector_fix"), ("Corrector break rate", "corrector_break"),
             ("V-C system accuracy", "vc_acc"), ("tokens per problem", "tokens_per_problem")]
     for name, key in rows:
-        values = [getattr(r, key) for r in reports.values()]
+        values = [r[key] if isinstance(r, dict) else getattr(r, key) for r in reports.values()]
         table.add_row(name, *["n/a" if math.isnan(v) else (f"{v:.0f}" if key.startswith("tokens") else f"{v:.1%}")
                               for v in values])
     console.print(table)
 
 
-def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: str) -> EvalReport:
-    folder = policy_folder(cfg)
-    engine = make_engine(cfg, folder)
+def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: str,
+                    folder: Path | None = None) -> EvalReport:
+    """Evaluate the policy in `folder` (default: the run's starting policy) and record the metrics."""
+    engine = make_engine(cfg, folder or policy_folder(cfg))
     problems = evaluation_problems(cfg, store, run_id, engine.tokenizer)
     ev = cfg.evaluation
     generator = TextGenerator(engine, engine.tokenizer, cfg.rollout.segment_tokens,
@@ -74,19 +74,3 @@ def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: 
     metrics = report.as_dict() | {"wall_clock_s": time.perf_counter() - start}
     store.record_evaluation(run_id, label, ev.dataset or "synthetic-heldout", metrics)
     return report
-
-
-def train(cfg: MarsRLConfig, console: Console | None = None, num_problems: int = 64) -> str:
-    """Prepare a training run in the store and evaluate the starting policy; returns its run id."""
-    console = console or Console()
-    run_id = f"{cfg.run_name}-{uuid.uuid4().hex[:8]}"
-    store = SegmentStore.from_config(cfg.store)
-    store.create_run(run_id, cfg.model_dump(mode="json"))
-    added = store.add_problems(run_id, make_problems(num_problems, cfg.seed))
-    console.print(f"run [bold]{run_id}[/bold]: {added} synthetic problems recorded in {cfg.store.catalog_url}")
-    with console.status("evaluating the starting policy"):
-        report = evaluate_policy(cfg, store, run_id, "before")
-    print_report(console, {"before": report})
-    console.print("rollouts and the learner are not built yet (see README, Status); inspect the run with: "
-                  f"marsrl sql \"SELECT * FROM evaluations WHERE run_id = '{run_id}'\"")
-    return run_id

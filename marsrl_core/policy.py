@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import threading
 from pathlib import Path
 
 from marsrl_core.config import MarsRLConfig
@@ -21,6 +23,8 @@ from marsrl_core.engines.base import EngineError
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+_build_lock = threading.Lock()
 
 
 def policy_folder(cfg: MarsRLConfig) -> Path:
@@ -34,10 +38,16 @@ def policy_folder(cfg: MarsRLConfig) -> Path:
     spec = {k: v for k, v in cfg.model.model_dump().items() if k.startswith("tiny_")} | {"seed": cfg.seed}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(cfg.output_dir) / f"tiny-model-{digest}"
-    if not (folder / "config.json").is_file():
-        build_tiny_model(folder, hidden_size=cfg.model.tiny_hidden_size, num_layers=cfg.model.tiny_num_layers,
-                         num_heads=cfg.model.tiny_num_heads,
-                         max_position_embeddings=cfg.model.tiny_max_position_embeddings, seed=cfg.seed)
+    with _build_lock:
+        if not (folder / "config.json").is_file():  # built once, into a temporary folder, then renamed
+            tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+            build_tiny_model(tmp, hidden_size=cfg.model.tiny_hidden_size, num_layers=cfg.model.tiny_num_layers,
+                             num_heads=cfg.model.tiny_num_heads,
+                             max_position_embeddings=cfg.model.tiny_max_position_embeddings, seed=cfg.seed)
+            try:
+                os.rename(tmp, folder)
+            except OSError:  # another process won the race: its folder is just as good
+                shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

@@ -10,7 +10,8 @@ The scheduler runs in stages. A stage
 1. applies a newer policy version if one was offered and no in-flight sample would then span more
    than `max_staleness` versions (otherwise it waits, and admits no new problems so the old samples
    drain: the bound is never exceeded);
-2. admits new problems up to `problems_per_batch` in flight;
+2. admits new problems up to `problems_per_batch` x `batches_in_flight` in flight (the synchronous
+   baseline admits one batch, and only when the previous one has ended);
 3. decodes one segment (`segment_tokens`, capped by each agent's remaining budget) for every
    unfinished sample in one engine batch;
 4. rewards what finished (decoupled: at once; shared: when the problem's trajectories end), creates
@@ -116,6 +117,7 @@ class RolloutScheduler:
         self.context = getattr(self.engine, "max_positions", None) or getattr(self.engine, "max_model_len", None)
         self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0}
         self.synchronous = self.rc.synchronous
+        self.max_decode_turn: int | None = None  # set by run_turn: decode only turns up to this one
 
     # ------------------------------------------------------------------ policy versions
     @property
@@ -131,6 +133,9 @@ class RolloutScheduler:
         if self.pending is None:
             return True
         version, weights = self.pending
+        if version <= self.version:  # an engine shared with another scheduler already has it
+            self.pending = None
+            return True
         oldest = min((s.start_version for s in self.in_flight() if s.start_version is not None), default=version)
         if version - oldest > self.rc.max_staleness:
             self.stats["deferred_updates"] += 1
@@ -185,12 +190,15 @@ class RolloutScheduler:
         created: list[Sample] = []
         if self.synchronous and self.active_problems:  # the baseline admits a new batch only when idle
             return []
-        while self.active_problems < self.rc.problems_per_batch and not self._at_problem_limit():
+        limit = self.rc.problems_per_batch * (1 if self.synchronous else self.rc.batches_in_flight)
+        while self.active_problems < limit and not self._at_problem_limit():
             try:
                 problem = next(self.problems)
             except StopIteration:
                 self.exhausted = True
                 break
+            if problem.problem_id in self.states:  # admitted before a resume
+                continue
             self.admitted += 1
             state = ProblemState(problem)
             self.states[problem.problem_id] = state
@@ -211,7 +219,7 @@ class RolloutScheduler:
             created = self._admit(rejected)
             report.admitted = len({s.problem.problem_id for s in created})
         report.version = self.version
-        active = self.in_flight()
+        active = [s for s in self.in_flight() if self.max_decode_turn is None or s.turn <= self.max_decode_turn]
         segments: list[SegmentRow] = []
         rewards: list[RewardRow] = []
         if active:
@@ -325,12 +333,22 @@ class RolloutScheduler:
             reports.append(self.stage())
         return reports
 
+    def run_turn(self, turn: int) -> list[StageReport]:
+        """Decode turn `turn` of the admitted problems to its end (a Prefect task's unit of work); the
+        next turn's groups are created and stored but left for the next task."""
+        self.max_decode_turn = turn
+        reports = [self.stage()]
+        while any(s.turn <= turn for s in self.in_flight()):
+            reports.append(self.stage())
+        return reports
+
     # ------------------------------------------------------------------ resume
     def resume(self, problems_by_id: dict[str, Problem]) -> int:
-        """Rebuild in-flight state from the store; returns how many samples were restored."""
-        rows = self.store.query(
+        """Rebuild the state of the problems in `problems_by_id` from the store; returns how many
+        samples were restored."""
+        rows = [r for r in self.store.query(
             "SELECT sample_id, problem_id, agent, turn, group_id, parent_sample_id FROM samples "
-            "WHERE run_id = ? ORDER BY turn", [self.run_id]).to_pylist()
+            "WHERE run_id = ? ORDER BY turn", [self.run_id]).to_pylist() if r["problem_id"] in problems_by_id]
         if not rows:
             return 0
         stored = self.store.load_samples(self.run_id, [r["sample_id"] for r in rows])

@@ -302,6 +302,15 @@ class SegmentStore:
                           "metrics_json": [json.dumps(metrics)]}, schema=ARROW_SCHEMAS["evaluations"])
         self._transaction(lambda c: self._insert(c, "evaluations", batch))
 
+    def mark(self, run_id: str, event: str, detail: str = "") -> None:
+        """Record a run event (e.g. 'rollouts_finished'), visible to every process."""
+        batch = pa.table({"run_id": [run_id], "event": [event], "detail": [detail]}, schema=ARROW_SCHEMAS["run_events"])
+        self._transaction(lambda c: self._insert(c, "run_events", batch))
+
+    def has_event(self, run_id: str, event: str) -> bool:
+        return self._read(f"SELECT count(*) AS n FROM {CATALOG}.run_events WHERE run_id = ? AND event = ?",
+                          [run_id, event]).column("n")[0].as_py() > 0
+
     def reject(self, run_id: str, source: str, location: str, reason: str, payload: str = "") -> None:
         """Record a rejected input (what and why); the run goes on without it."""
         self.reject_many(run_id, [(source, location, reason, payload)])

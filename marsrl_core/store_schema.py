@@ -79,6 +79,7 @@ ARROW_SCHEMAS: dict[str, pa.Schema] = {
     "evaluations": pa.schema(
         [("run_id", pa.string()), ("label", pa.string()), ("dataset", pa.string()), ("metrics_json", pa.string())]
     ),
+    "run_events": pa.schema([("run_id", pa.string()), ("event", pa.string()), ("detail", pa.string())]),
     "rejected_inputs": pa.schema(
         [
             ("run_id", pa.string()),

@@ -35,35 +35,44 @@ def tracking_uri(configured: str) -> str:
 
 
 class Tracker:
-    """An open MLflow run."""
+    """An MLflow run, written through `MlflowClient` with its run id (never the thread-local "active
+    run"), so the learner thread, flows and tasks can all log to it."""
 
     def __init__(self, tracking_config: Any, run_name: str, params: dict[str, Any]):
-        import mlflow
         from mlflow import MlflowClient
 
-        self._mlflow = mlflow
-        mlflow.set_tracking_uri(tracking_uri(tracking_config.mlflow_tracking_uri))
-        mlflow.set_experiment(tracking_config.experiment_name)
-        self.client = MlflowClient()
+        uri = tracking_uri(tracking_config.mlflow_tracking_uri)
+        self.client = MlflowClient(tracking_uri=uri, registry_uri=uri)
         self.model_name = tracking_config.registered_model_name
-        self.run = mlflow.start_run(run_name=run_name)
+        experiment = self.client.get_experiment_by_name(tracking_config.experiment_name)
+        experiment_id = experiment.experiment_id if experiment else \
+            self.client.create_experiment(tracking_config.experiment_name)
+        self.run = self.client.create_run(experiment_id, run_name=run_name)
         self.run_id = self.run.info.run_id
-        flat = {k: str(v)[:500] for k, v in _flatten("", params, {}).items()}
-        items = list(flat.items())
-        for start in range(0, len(items), 100):
-            mlflow.log_params(dict(items[start:start + 100]))
+        from mlflow.entities import Param
+
+        flat = [Param(k, str(v)[:500]) for k, v in _flatten("", params, {}).items()]
+        for start in range(0, len(flat), 100):
+            self.client.log_batch(self.run_id, params=flat[start:start + 100])
 
     def log_step(self, step: int, metrics: dict[str, dict[str, float]]) -> None:
         flat = {f"{agent}/{name}": float(value) for agent, m in metrics.items() for name, value in m.items()}
-        self._mlflow.log_metrics(flat, step=step)
+        self.log_metrics(flat, step)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self._mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+        for start in range(0, len(batch), 500):
+            self.client.log_batch(self.run_id, metrics=batch[start:start + 500])
 
     def log_checkpoint(self, folder: Path, version: int) -> str:
         """Log a checkpoint folder as artifacts and point the `newest` alias at it."""
         path = f"checkpoints/v{version}"
-        self._mlflow.log_artifacts(str(folder), artifact_path=path)
+        self.client.log_artifacts(self.run_id, str(folder), artifact_path=path)
         source = f"{self.run.info.artifact_uri}/{path}"
         try:
             self.client.get_registered_model(self.model_name)
@@ -74,7 +83,7 @@ class Tracker:
         return source
 
     def log_figure(self, figure: Any, name: str) -> None:
-        self._mlflow.log_figure(figure, name)
+        self.client.log_figure(self.run_id, figure, name)
 
     def close(self) -> None:
-        self._mlflow.end_run()
+        self.client.set_terminated(self.run_id)

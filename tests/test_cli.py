@@ -31,13 +31,6 @@ def test_eval_on_aime_records_metrics_and_rejects_oversized_prompts(where, tmp_p
     assert rejected and all("over the input limit of 250" in r for r in rejected)
 
 
-def test_train_prepares_a_run_and_sql_reads_it(where, capsys):
-    assert main(["train", *where]) == 0
-    assert "before" in capsys.readouterr().out
-    assert main(["sql", *where, "SELECT count(*) AS n FROM problems"]) == 0
-    assert "64" in capsys.readouterr().out
-
-
 def test_user_errors_exit_2_with_a_clear_line(where, tmp_path, capsys):
     assert main(["eval", *where, "--set", f"model.path={tmp_path}/no-model"]) == 2
     assert "model.path=" in capsys.readouterr().err
@@ -50,8 +43,8 @@ def test_user_errors_exit_2_with_a_clear_line(where, tmp_path, capsys):
 
 
 def test_sql_interactive_prompt_reports_errors_and_goes_on(where, monkeypatch, capsys):
-    assert main(["train", *where]) == 0
-    lines = iter(["SELECT count(*) AS n FROM problems", "SELECT * FROM no_such_table", "SELECT 41 + 1 AS x"])
+    assert main(["eval", *where]) == 0
+    lines = iter(["SELECT count(*) AS n FROM evaluations", "SELECT * FROM no_such_table", "SELECT 41 + 1 AS x"])
 
     def fake_input(prompt):
         try:
@@ -63,4 +56,4 @@ def test_sql_interactive_prompt_reports_errors_and_goes_on(where, monkeypatch, c
     capsys.readouterr()
     assert main(["sql", *where]) == 0
     out = capsys.readouterr().out
-    assert "64" in out and "error" in out and "42" in out
+    assert "│ 1 " in out and "error" in out and "42" in out

@@ -210,7 +210,7 @@ def test_resume_continues_without_redecoding(tmp_path, tiny):
         first.stage()
     before = store.count("segments", RUN)
     del first  # the process dies; only the store remains
-    second = _scheduler(cfg, store, engine, problems[2:])  # p0, p1 were admitted before
+    second = _scheduler(cfg, store, engine, problems)  # p0, p1 were admitted before: skipped
     restored = second.resume({p.problem_id: p for p in problems})
     assert restored == store.count("samples", RUN) > 0
     second.run()

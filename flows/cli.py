@@ -1,0 +1,98 @@
+"""The `marsrl` console command: the library's commands plus the Prefect ones.
+
+- `marsrl train`: the main job (`make train`): the train flow (rollout and learner flows
+  concurrently, evaluation before and after), then the before/after table.
+- `marsrl rollout --run-id R --batches 0 1 ...`: rollout flows only (one process of a split run).
+- `marsrl learn --run-id R`: the learner flow only (the other process of a split run).
+- `marsrl serve`: serve every deployment (schedules included) for the Prefect UI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from marsrl_core import cli as core_cli
+from marsrl_core.jobs import print_report
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from flows.train import train_flow
+
+    cfg = core_cli._config(args)
+    result = train_flow(cfg, args.run_id)
+    reports = {label: result[label] for label in ("before", "after") if label in result}
+    core_cli.console.print(f"run [bold]{result['run_id']}[/bold]: {result['learner_steps']} learner steps")
+    if reports:
+        print_report(core_cli.console, reports)
+    return 0
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from flows.learner import ROLLOUTS_FINISHED
+    from flows.rollout import rollout_flow
+    from marsrl_core import workers
+
+    cfg = core_cli._config(args)
+    workers.start_run(cfg, args.run_id)
+    for batch in args.batches or range(cfg.data.num_batches):
+        rollout_flow(cfg, args.run_id, batch)
+    if args.finish:
+        workers.store_for(cfg).mark(args.run_id, ROLLOUTS_FINISHED)
+    return 0
+
+
+def cmd_learn(args: argparse.Namespace) -> int:
+    from flows.learner import learner_flow
+
+    steps = learner_flow(core_cli._config(args), args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
+    core_cli.console.print(f"learner stopped after step {steps}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deployments.serve import serve_all
+
+    serve_all(core_cli._config(args), train_cron=args.cron or None, limit=args.limit)
+    return 0
+
+
+def _run_id(required: bool):
+    def setup(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--run-id", required=required, default=None, help="The training run (store and MLflow).")
+    return setup
+
+
+def _rollout_setup(parser: argparse.ArgumentParser) -> None:
+    _run_id(True)(parser)
+    parser.add_argument("--batches", type=int, nargs="*", help="Batch indices (default: all of data.num_batches).")
+    parser.add_argument("--finish", action="store_true", help="Mark the rollouts finished afterwards.")
+
+
+def _learn_setup(parser: argparse.ArgumentParser) -> None:
+    _run_id(True)(parser)
+    parser.add_argument("--max-steps", type=int, default=None, help="Step budget (default learner.max_steps).")
+    parser.add_argument("--idle-timeout", type=float, default=3600.0, help="Stop after this long without groups.")
+
+
+def _serve_setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cron", default="0 2 * * *", help="Schedule of the train deployment ('' for none).")
+    parser.add_argument("--limit", type=int, default=None, help="Most flow runs at once.")
+
+
+COMMANDS = {
+    "train": (cmd_train, "Run the main job: MarsRL training with evaluation before and after (make train).",
+              _run_id(False)),
+    "rollout": (cmd_rollout, "Run rollout flows for a run (one side of a split rollout/learner run).", _rollout_setup),
+    "learn": (cmd_learn, "Run the learner flow for a run (the other side of a split run).", _learn_setup),
+    "serve": (cmd_serve, "Serve the flows as Prefect deployments (with schedules) for the UI.", _serve_setup),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return core_cli.main(argv, COMMANDS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""The learner flow: polls the store, trains as complete groups arrive, publishes versions; stops at
+the step budget, or once the rollouts have finished and nothing is left to train on."""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow
+
+from marsrl_core import workers
+from marsrl_core.config import MarsRLConfig, load_config
+from tasks.learner import train_step
+
+ROLLOUTS_FINISHED = "rollouts_finished"
+
+
+@flow(name="learner", log_prints=True)
+def learner_flow(config: MarsRLConfig = load_config("tiny"), run_id: str = "manual", max_steps: int | None = None, poll_s: float = 0.2,
+                 idle_timeout_s: float = 3600.0) -> int:
+    budget = max_steps or config.learner.max_steps
+    learner = workers.learner_for(config, run_id, workers.tracker_for(config, run_id))
+    idle_since = time.monotonic()
+    while learner.step < budget:
+        finished = workers.store_for(config).has_event(run_id, ROLLOUTS_FINISHED)
+        if workers.groups_ready(config, run_id, flush=finished):
+            train_step(config, run_id, flush=finished)
+            idle_since = time.monotonic()
+        elif finished or time.monotonic() - idle_since > idle_timeout_s:
+            break
+        else:
+            time.sleep(poll_s)
+    return learner.step

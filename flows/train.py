@@ -1,0 +1,48 @@
+"""The train flow: rollout flows (one per problem batch, `batches_in_flight` at a time) and the
+learner flow run concurrently, meeting only through the store; then an evaluation of the result."""
+
+from __future__ import annotations
+
+import uuid
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.evaluate import evaluate_flow
+from flows.learner import ROLLOUTS_FINISHED, learner_flow
+from flows.rollout import rollout_flow
+from marsrl_core import workers
+from marsrl_core.config import MarsRLConfig, load_config
+
+
+@task(name="run-rollout-flow", cache_policy=NO_CACHE)
+def _rollout(config: MarsRLConfig, run_id: str, batch_index: int):
+    return rollout_flow(config, run_id, batch_index)
+
+
+@task(name="run-learner-flow", cache_policy=NO_CACHE)
+def _learner(config: MarsRLConfig, run_id: str) -> int:
+    return learner_flow(config, run_id)
+
+
+@flow(name="train", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
+def train_flow(config: MarsRLConfig = load_config("tiny"), run_id: str | None = None,
+               evaluate_before: bool = True, evaluate_after: bool = True) -> dict:
+    run_id = run_id or f"{config.run_name}-{uuid.uuid4().hex[:8]}"
+    workers.start_run(config, run_id)
+    result: dict = {"run_id": run_id}
+    if evaluate_before:
+        result["before"] = evaluate_flow(config, run_id, "before")
+    learner = _learner.submit(config, run_id)
+    pending, running = list(range(config.data.num_batches)), []
+    while pending or running:
+        while pending and len(running) < config.rollout.batches_in_flight:
+            running.append(_rollout.submit(config, run_id, pending.pop(0)))
+        running.pop(0).result()
+    workers.store_for(config).mark(run_id, ROLLOUTS_FINISHED)
+    result["learner_steps"] = steps = learner.result()
+    if evaluate_after and steps:
+        latest = workers.store_for(config).latest_version(run_id)
+        result["after"] = evaluate_flow(config, run_id, "after", latest[1])
+    return result

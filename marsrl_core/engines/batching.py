@@ -1,0 +1,104 @@
+"""One engine per process, shared by concurrent callers: pending segment requests are batched.
+
+Rollout tasks of several concurrently running flows (batch k's Verifiers, batch k+1's Solvers) call
+`decode_segment` from their own threads. `BatchingEngine` collects whatever requests are pending,
+waits at most `window_s` for more, decodes them as one segment batch on the wrapped engine, and
+hands each caller its own results. That merged batch is the agentic pipeline in Prefect's terms.
+
+Weight updates go through the same lock, so they happen between segment batches, never during one.
+
+Deliberate simplification: one decode at a time (the wrapped engine is not re-entrant); requests
+arriving during a decode wait for the next batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from marsrl_core.engines.base import SegmentRequest, SegmentResult
+
+
+@dataclass
+class _Ticket:
+    requests: Sequence[SegmentRequest]
+    done: threading.Event = field(default_factory=threading.Event)
+    results: list[SegmentResult] | None = None
+    error: BaseException | None = None
+
+
+class BatchingEngine:
+    def __init__(self, engine: Any, window_s: float = 0.005):
+        self.engine = engine
+        self.window_s = window_s
+        self.tokenizer = getattr(engine, "tokenizer", None)
+        self._queue: list[_Ticket] = []
+        self._cv = threading.Condition()
+        self._decoding = False
+        self.batches = 0  # how many engine calls were made
+        self.batch_sizes: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:  # max_positions, eos_id, ... of the wrapped engine
+        return getattr(self.engine, name)
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def decode_segment(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
+        ticket = _Ticket(list(requests))
+        with self._cv:
+            self._queue.append(ticket)
+            self._cv.notify_all()
+            # The first waiting caller that finds the engine idle becomes the decoder for everyone.
+            while not ticket.done.is_set():
+                if not self._decoding:
+                    self._decoding = True
+                    deadline = time.monotonic() + self.window_s
+                    while (left := deadline - time.monotonic()) > 0:  # let concurrent callers join
+                        self._cv.wait(left)
+                    batch, self._queue = self._queue, []
+                    self._cv.release()
+                    try:
+                        self._run(batch)
+                    finally:
+                        self._cv.acquire()
+                        self._decoding = False
+                        self._cv.notify_all()
+                else:
+                    self._cv.wait()
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.results
+
+    def _run(self, batch: list[_Ticket]) -> None:
+        flat = [r for t in batch for r in t.requests]
+        try:
+            results = self.engine.decode_segment(flat)
+            self.batches += 1
+            self.batch_sizes.append(len(flat))
+        except BaseException as err:  # every caller of this batch sees the error
+            for t in batch:
+                t.error = err
+                t.done.set()
+            return
+        offset = 0
+        for t in batch:
+            t.results = results[offset:offset + len(t.requests)]
+            offset += len(t.requests)
+            t.done.set()
+
+    def update_weights(self, version: int, weights: Any) -> None:
+        with self._cv:
+            while self._decoding:
+                self._cv.wait()
+            self._decoding = True
+        try:
+            self.engine.update_weights(version, weights)
+        finally:
+            with self._cv:
+                self._decoding = False
+                self._cv.notify_all()

@@ -1,0 +1,192 @@
+"""Process-level work units that orchestration (Prefect tasks, the CLI) calls: one call each.
+
+A worker process keeps one store connection, one engine (wrapped in a `BatchingEngine` so that
+concurrent rollout tasks share segment batches) and one learner, created on first use. Rollout and
+learner meet only through the store and the checkpoint files: an engine picks up a newer committed
+version from the store (its checkpoint folder) at stage boundaries, so rollout and learner can live
+in different processes or machines.
+
+- `record_batch(cfg, run_id, b)`: the problems of batch `b` (synthetic or a dataset slice), stored.
+- `rollout_turn(cfg, run_id, b, turn)`: decode turn `turn` of batch `b` to its end.
+- `train_step(cfg, run_id)`: one learner step if enough complete groups are ready, else None.
+
+Deliberate simplifications: caches are keyed by run and model, never evicted (a worker serves one
+run at a time); with several rollout flows sharing an engine, the staleness bound is enforced per
+flow, not across flows.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import transformers  # noqa: F401  (imported here, once: lazy imports from several threads race)
+
+from marsrl_core import policy, tiny  # noqa: F401
+from marsrl_core.config import MarsRLConfig
+from marsrl_core.engines.batching import BatchingEngine
+from marsrl_core.problems import Problem, load_problems
+from marsrl_core.roles import Roles
+from marsrl_core.rollout import RolloutScheduler
+from marsrl_core.store import SegmentStore
+from marsrl_core.synthetic import make_problems
+
+_lock = threading.RLock()
+_stores: dict[tuple[str, str], SegmentStore] = {}
+_engines: dict[tuple[str, str], BatchingEngine] = {}
+_learners: dict[str, Any] = {}
+
+
+def store_for(cfg: MarsRLConfig) -> SegmentStore:
+    key = (cfg.store.catalog_url, cfg.store.data_path)
+    with _lock:
+        if key not in _stores:
+            _stores[key] = SegmentStore.from_config(cfg.store)
+        return _stores[key]
+
+
+def engine_for(cfg: MarsRLConfig, agent: str = "policy") -> BatchingEngine:
+    """The process's engine for `agent` ("policy" when one model serves all agents)."""
+    from marsrl_core.policy import make_engine, policy_folder
+
+    folder = policy_folder(cfg)
+    key = (str(folder), cfg.engine.name, agent)
+    with _lock:
+        if key not in _engines:
+            _engines[key] = BatchingEngine(make_engine(cfg, folder))
+        return _engines[key]
+
+
+def roles_for(cfg: MarsRLConfig) -> Roles:
+    from marsrl_core.jobs import roles_from_config
+
+    return roles_from_config(cfg)
+
+
+def batch_problems(cfg: MarsRLConfig, batch_index: int) -> list[Problem]:
+    n = cfg.rollout.problems_per_batch
+    if cfg.data.train_dataset is None:
+        return make_problems(n, cfg.seed * 100_003 + batch_index, prefix=f"b{batch_index}",
+                             min_terms=cfg.data.synthetic_min_terms, max_terms=cfg.data.synthetic_max_terms)
+    loaded = load_problems(cfg.data.train_dataset, question_field=cfg.data.question_field,
+                           answer_field=cfg.data.answer_field)
+    pool = loaded.problems
+    return [Problem(f"b{batch_index}-{p.problem_id}", p.prompt, p.answer, p.source)
+            for p in (pool[(batch_index * n + i) % len(pool)] for i in range(n))]
+
+
+def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
+    store = store_for(cfg)
+    problems = batch_problems(cfg, batch_index)
+    known = set(store.query("SELECT problem_id FROM problems WHERE run_id = ?", [run_id]).column("problem_id")
+                .to_pylist())
+    return store.add_problems(run_id, [p for p in problems if p.problem_id not in known])
+
+
+AGENTS = ("solver", "verifier", "corrector")
+
+
+def engines_for(cfg: MarsRLConfig) -> BatchingEngine | dict[str, BatchingEngine]:
+    if cfg.learner.policies == "per_agent":
+        return {agent: engine_for(cfg, agent) for agent in AGENTS}
+    return engine_for(cfg)
+
+
+def _latest_weights(store: SegmentStore, run_id: str, current_version: int, per_agent: bool):
+    """(version, checkpoint folder or {agent: folder}) of a committed version newer than the engines'."""
+    latest = store.latest_version(run_id)
+    if latest is None or latest[0] <= current_version:
+        return None
+    version, uri = latest
+    if per_agent:
+        return version, {agent: Path(uri) / agent for agent in AGENTS}
+    return version, Path(uri) / "policy"
+
+
+def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> dict[str, int]:
+    """Decode turn `turn` of batch `batch_index`; returns counts for the task's result."""
+    store, engines = store_for(cfg), engines_for(cfg)
+    tokenizer = engine_for(cfg, "solver" if isinstance(engines, dict) else "policy").tokenizer
+    problems = batch_problems(cfg, batch_index)
+    scheduler = RolloutScheduler(cfg, store, run_id, engines, tokenizer, roles_for(cfg),
+                                 iter(problems if turn == 0 else ()), seed=cfg.seed * 7919 + batch_index * 31 + turn)
+    scheduler.resume({p.problem_id: p for p in problems})
+    per_agent = cfg.learner.policies == "per_agent"
+    original_stage = scheduler.stage
+
+    def stage_with_newest_policy():
+        newest = _latest_weights(store, run_id, scheduler.version, per_agent)
+        if newest is not None:
+            scheduler.offer_weights(*newest)
+        return original_stage()
+
+    scheduler.stage = stage_with_newest_policy
+    reports = scheduler.run_turn(turn)
+    return {"stages": len(reports), "tokens": sum(r.tokens for r in reports),
+            "finished": sum(r.finished for r in reports), "new_samples": sum(r.new_samples for r in reports)}
+
+
+def learner_for(cfg: MarsRLConfig, run_id: str, tracker: Any = None):
+    from marsrl_core.learner import Learner
+    from marsrl_core.policy import policy_folder
+
+    with _lock:
+        if run_id not in _learners:
+            from transformers import AutoTokenizer
+
+            folder = policy_folder(cfg)
+            learner = Learner(cfg, store_for(cfg), run_id, folder, Path(cfg.output_dir) / "checkpoints" / run_id,
+                              AutoTokenizer.from_pretrained(folder), tracker)
+            learner.resume()
+            _learners[run_id] = learner
+        return _learners[run_id]
+
+
+def train_step(cfg: MarsRLConfig, run_id: str, flush: bool = False, tracker: Any = None) -> dict[str, Any] | None:
+    """One learner step on ready groups; None when not enough are ready yet."""
+    from marsrl_core.pipeline import ready_groups
+
+    learner = learner_for(cfg, run_id, tracker)
+    groups = ready_groups(learner.store, run_id, cfg.learner.groups_per_step, flush=flush)
+    if not groups:
+        return None
+    report = learner.train_step(groups)
+    return {"step": report.step, "checkpoint": str(report.checkpoint), "metrics": report.metrics}
+
+
+_trackers: dict[str, Any] = {}
+
+
+def tracker_for(cfg: MarsRLConfig, run_id: str):
+    """The MLflow run of a training run (one per run and process)."""
+    from marsrl_core.tracking import Tracker
+
+    with _lock:
+        if run_id not in _trackers:
+            _trackers[run_id] = Tracker(cfg.tracking, run_id, cfg.model_dump(mode="json"))
+        return _trackers[run_id]
+
+
+def groups_ready(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> bool:
+    from marsrl_core.pipeline import ready_groups
+
+    return bool(ready_groups(store_for(cfg), run_id, cfg.learner.groups_per_step, flush=flush))
+
+
+def evaluate(cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None = None) -> dict[str, float]:
+    """Evaluate a policy (the starting one, or a checkpoint folder) and record it in the store."""
+    from marsrl_core.jobs import evaluate_policy
+
+    folder = None if checkpoint is None else Path(checkpoint) / "policy"
+    report = evaluate_policy(cfg, store_for(cfg), run_id, label, folder=folder)
+    if run_id in _trackers:
+        _trackers[run_id].log_metrics({f"eval_{label}/{k}": v for k, v in report.as_dict().items()})
+    return report.as_dict()
+
+
+def start_run(cfg: MarsRLConfig, run_id: str) -> None:
+    """Record a new run (idempotent: a resumed run keeps its row)."""
+    store = store_for(cfg)
+    if not store.query("SELECT 1 FROM runs WHERE run_id = ?", [run_id]).num_rows:
+        store.create_run(run_id, cfg.model_dump(mode="json"))

@@ -1,0 +1,19 @@
+"""Evaluation and maintenance tasks."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from marsrl_core import workers
+from marsrl_core.config import MarsRLConfig
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate(config: MarsRLConfig, run_id: str, label: str, checkpoint: str | None = None) -> dict[str, float]:
+    return workers.evaluate(config, run_id, label, checkpoint)
+
+
+@task(name="compact-store", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def compact(config: MarsRLConfig) -> dict[str, int]:
+    return workers.store_for(config).compact()

@@ -1,0 +1,19 @@
+"""Rollout tasks: record a batch's problems; decode one agent turn of a batch to its end."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from marsrl_core import workers
+from marsrl_core.config import MarsRLConfig
+
+
+@task(name="record-batch", retries=3, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def record_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> int:
+    return workers.record_batch(config, run_id, batch_index)
+
+
+@task(name="rollout-turn", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def rollout_turn(config: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> dict[str, int]:
+    return workers.rollout_turn(config, run_id, batch_index, turn)
