@@ -1,0 +1,49 @@
+"""Rollout and learner as two OS processes (as a Prefect worker runs deployments), one store between them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from marsrl_core.store import SegmentStore
+
+
+@pytest.mark.slow
+def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
+    config = {
+        "store": {"catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "data_path": f"{tmp_path}/data"},
+        "output_dir": f"{tmp_path}/out", "tracking": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+        "rollout": {"num_generations": 4, "downstream_generations": 2, "problems_per_batch": 2, "segment_tokens": 8,
+                    "solver_max_tokens": 24, "verifier_max_tokens": 16, "corrector_max_tokens": 24, "max_turns": 3},
+        "data": {"num_batches": 6},
+        "learner": {"groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3, "warmup_steps": 0},
+    }
+    path = tmp_path / "split.yaml"
+    path.write_text(yaml.safe_dump(config))
+    # Each process runs Prefect in ephemeral mode with its own database (two processes writing one
+    # ephemeral SQLite database lock each other out; a shared deployment uses a Prefect server instead).
+    def env(name):
+        return {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / f"prefect-{name}")}
+
+    marsrl = [sys.executable, "-m", "flows.cli"]
+    learner = subprocess.Popen([*marsrl, "learn", "--config", str(path), "--run-id", "split", "--idle-timeout", "240"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env("learner"))
+    rollout = subprocess.run([*marsrl, "rollout", "--config", str(path), "--run-id", "split", "--finish"],
+                             capture_output=True, text=True, env=env("rollout"), timeout=600)
+    assert rollout.returncode == 0, rollout.stdout[-3000:] + rollout.stderr[-3000:]
+    out, _ = learner.communicate(timeout=600)
+    assert learner.returncode == 0, out[-3000:]
+    store = SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"])
+    assert store.latest_version("split")[0] == 3  # versions advanced to the step budget
+    assert store.count("problems", "split") == 12 and store.count("rewards", "split") == store.count("samples", "split")
+    twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
+    assert twice.column("n")[0].as_py() == 0
+    # Every committed checkpoint is whole, and segments were decoded under more than one version only if the
+    # rollout process picked the learner's checkpoints up from the store.
+    versions = store.query("SELECT DISTINCT policy_version FROM segments").column("policy_version").to_pylist()
+    print("policy versions seen by the rollout process:", sorted(versions))
+    assert max(versions) >= 1
