@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prefect import flow
 
-from marsrl_core.config import MarsRLConfig, load_config
+from marsrl_core.config import MarsRLConfig, default_config
 from tasks.evaluation import evaluate
 
 
 @flow(name="evaluate", log_prints=True)
-def evaluate_flow(config: MarsRLConfig = load_config("tiny"), run_id: str = "manual", label: str = "eval", checkpoint: str | None = None) -> dict:
+def evaluate_flow(config: MarsRLConfig = default_config(), run_id: str = "manual", label: str = "eval", checkpoint: str | None = None) -> dict:
     return evaluate(config, run_id, label, checkpoint)

@@ -8,14 +8,14 @@ import time
 from prefect import flow
 
 from marsrl_core import workers
-from marsrl_core.config import MarsRLConfig, load_config
+from marsrl_core.config import MarsRLConfig, default_config
 from tasks.learner import train_step
 
 ROLLOUTS_FINISHED = "rollouts_finished"
 
 
 @flow(name="learner", log_prints=True)
-def learner_flow(config: MarsRLConfig = load_config("tiny"), run_id: str = "manual", max_steps: int | None = None, poll_s: float = 0.2,
+def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual", max_steps: int | None = None, poll_s: float = 0.2,
                  idle_timeout_s: float = 3600.0) -> int:
     budget = max_steps or config.learner.max_steps
     learner = workers.learner_for(config, run_id, workers.tracker_for(config, run_id))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from prefect import flow
 
-from marsrl_core.config import MarsRLConfig, load_config
+from marsrl_core.config import MarsRLConfig, default_config
 from tasks.evaluation import compact
 
 
 @flow(name="maintenance", log_prints=True)
-def maintenance_flow(config: MarsRLConfig = load_config("tiny")) -> dict[str, int]:
+def maintenance_flow(config: MarsRLConfig = default_config()) -> dict[str, int]:
     result = compact(config)
     print(f"data files {result['files_before']} -> {result['files_after']}")
     return result

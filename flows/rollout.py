@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from prefect import flow
 
-from marsrl_core.config import MarsRLConfig, load_config
+from marsrl_core.config import MarsRLConfig, default_config
 from marsrl_core.rollout import agent_of_turn
 from tasks.rollout import record_batch, rollout_turn
 
 
 @flow(name="rollout", log_prints=True)
-def rollout_flow(config: MarsRLConfig = load_config("tiny"), run_id: str = "manual", batch_index: int = 0) -> list[dict[str, int]]:
+def rollout_flow(config: MarsRLConfig = default_config(), run_id: str = "manual", batch_index: int = 0) -> list[dict[str, int]]:
     recorded = record_batch.submit(config, run_id, batch_index)
     previous = recorded
     futures = []

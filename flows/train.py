@@ -13,7 +13,7 @@ from flows.evaluate import evaluate_flow
 from flows.learner import ROLLOUTS_FINISHED, learner_flow
 from flows.rollout import rollout_flow
 from marsrl_core import workers
-from marsrl_core.config import MarsRLConfig, load_config
+from marsrl_core.config import MarsRLConfig, default_config
 
 
 @task(name="run-rollout-flow", cache_policy=NO_CACHE)
@@ -27,7 +27,7 @@ def _learner(config: MarsRLConfig, run_id: str) -> int:
 
 
 @flow(name="train", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
-def train_flow(config: MarsRLConfig = load_config("tiny"), run_id: str | None = None,
+def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = None,
                evaluate_before: bool = True, evaluate_after: bool = True) -> dict:
     run_id = run_id or f"{config.run_name}-{uuid.uuid4().hex[:8]}"
     workers.start_run(config, run_id)

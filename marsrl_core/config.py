@@ -14,6 +14,7 @@ Invalid values raise `ConfigError`, whose message names the dotted field and the
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -293,6 +294,12 @@ def load_config(
                 raise ConfigError(f"override {text!r}: {key!r} is not a section")
         node[keys[-1]] = value
     return build_config(data)
+
+
+def default_config() -> MarsRLConfig:
+    """The config a flow runs with when none is given: preset `MARSRL_PRESET` (default tiny) merged with
+    the YAML file `MARSRL_CONFIG` when set (how a worker in docker-compose.yml gets its cluster settings)."""
+    return load_config(os.environ.get("MARSRL_PRESET", "tiny"), os.environ.get("MARSRL_CONFIG") or None)
 
 
 def config_to_yaml(config: MarsRLConfig) -> str:

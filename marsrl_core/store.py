@@ -195,6 +195,15 @@ class SegmentStore:
                 raise StoreError(f"catalog_url={self.catalog_url!r}: the duckdb extension {name!r} is not installed "
                                  f"(pip install duckdb-extension-{name.replace('_', '-')}=={duckdb.__version__})")
             con.execute(f"LOAD '{extensions[name]}'")
+        if self.data_path.startswith("s3://"):  # S3-compatible storage: credentials from the usual variables
+            endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+            host = endpoint.split("://", 1)[-1]
+            options = [f"KEY_ID '{os.environ.get('AWS_ACCESS_KEY_ID', '')}'",
+                       f"SECRET '{os.environ.get('AWS_SECRET_ACCESS_KEY', '')}'",
+                       f"REGION '{os.environ.get('AWS_REGION', 'us-east-1')}'"]
+            if host:
+                options += [f"ENDPOINT '{host}'", "URL_STYLE 'path'", f"USE_SSL {str(endpoint.startswith('https')).lower()}"]
+            con.execute(f"CREATE OR REPLACE SECRET marsrl_s3 (TYPE s3, {', '.join(options)})")
         data_path = self.data_path if "://" in self.data_path else str(Path(self.data_path).resolve()) + "/"
         try:
             con.execute(f"ATTACH 'ducklake:{self.catalog_url}' AS {CATALOG} (DATA_PATH '{data_path}')")

