@@ -1,0 +1,69 @@
+"""Prefect overhead per rollout stage: the same rollout batches decoded turn by turn directly through
+`marsrl_core.workers` and through the Prefect rollout flow (a DAG of agent-turn tasks), side by side.
+
+The first flow in a process starts Prefect's temporary server (~15-20 s here); a warm-up flow runs
+first so that start-up is not counted. Run: `python benchmarks/prefect_overhead.py`. Writes
+benchmarks/results/prefect_overhead.json with overhead_per_stage_s, stage_s and overhead_fraction.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from benchmarks.common import print_rows, write_results  # noqa: E402
+from marsrl_core import workers  # noqa: E402
+from marsrl_core.config import load_config  # noqa: E402
+
+BATCHES = 3
+
+
+def config(root: Path, tag: str):
+    return load_config("tiny", None, [
+        f"store.catalog_url=sqlite:{root}/{tag}.sqlite", f"store.data_path={root}/{tag}-data",
+        f"output_dir={root}/out", "rollout.segment_tokens=32", "rollout.problems_per_batch=32"])
+
+
+def direct(cfg, run_id: str) -> tuple[float, int]:
+    stages, start = 0, time.perf_counter()
+    for batch in range(BATCHES):
+        workers.record_batch(cfg, run_id, batch)
+        for turn in range(cfg.rollout.max_turns):
+            stages += workers.rollout_turn(cfg, run_id, batch, turn)["stages"]
+    return time.perf_counter() - start, stages
+
+
+def with_prefect(cfg, run_id: str) -> tuple[float, int]:
+    from flows.rollout import rollout_flow
+
+    stages, start = 0, time.perf_counter()
+    for batch in range(BATCHES):
+        stages += sum(r["stages"] for r in rollout_flow(cfg, run_id, batch))
+    return time.perf_counter() - start, stages
+
+
+def main() -> None:
+    from flows.rollout import rollout_flow
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        warm = config(root, "warm")
+        rollout_flow(warm, "warm", 0)  # starts the temporary Prefect server and builds the tiny model
+        direct_s, direct_stages = direct(config(root, "direct"), "direct")
+        prefect_s, prefect_stages = with_prefect(config(root, "prefect"), "prefect")
+    stage_s = direct_s / direct_stages
+    overhead = (prefect_s - direct_s) / prefect_stages
+    print_rows(f"rollout of {BATCHES} batches x 32 problems, tiny model, 32-token segments",
+               ["path", "wall s", "stages", "s per stage"],
+               [["direct (marsrl_core.workers)", direct_s, direct_stages, stage_s],
+                ["Prefect flow + tasks", prefect_s, prefect_stages, prefect_s / prefect_stages]])
+    print(f"Prefect overhead per stage: {overhead * 1000:.1f} ms = {overhead / stage_s:.1%} of a stage (goal < 5%)")
+    print(f"wrote {write_results('prefect_overhead', {'overhead_per_stage_s': overhead, 'stage_s': stage_s, 'overhead_fraction': overhead / stage_s, 'direct_s': direct_s, 'prefect_s': prefect_s, 'stages': prefect_stages})}")
+
+
+if __name__ == "__main__":
+    main()
