@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from marsrl_core.engines.base import TextGenerator
+from marsrl_core.engines.base import TextGenerator, for_role
 from marsrl_core.problems import Problem
 from marsrl_core.reasoning import run_vc_loop
 from marsrl_core.rewards import answers_match, judge_solution
@@ -45,17 +45,17 @@ class EvalReport:
         return dict(self.__dict__)
 
 
-def evaluate(generator: TextGenerator, roles: Roles, problems: Sequence[Problem], *, k: int,
+def evaluate(generator: TextGenerator | dict[str, TextGenerator], roles: Roles, problems: Sequence[Problem], *, k: int,
              max_tokens: dict[str, int], accept_after: int = 4, max_rounds: int = 10) -> EvalReport:
     """Measure Solver, Verifier, Corrector and the V-C system on `problems` (k samples each)."""
     if not problems or k < 1:
         raise ValueError(f"evaluate: need at least one problem and k >= 1 (got {len(problems)} problems, k={k})")
-    tok = generator.tokenizer
+    tok = for_role(generator, SOLVER).tokenizer
     pairs = [(p, i) for p in problems for i in range(k)]
-    solutions = generator.complete([roles.prompt(tok, SOLVER, p.prompt) for p, _ in pairs], max_tokens[SOLVER])
+    solutions = for_role(generator, SOLVER).complete([roles.prompt(tok, SOLVER, p.prompt) for p, _ in pairs], max_tokens[SOLVER])
     right = [judge_solution(s.text, p.answer, s.truncated).correct for (p, _), s in zip(pairs, solutions)]
 
-    reports = generator.complete([roles.prompt(tok, VERIFIER, p.prompt, s.text) for (p, _), s in zip(pairs, solutions)],
+    reports = for_role(generator, VERIFIER).complete([roles.prompt(tok, VERIFIER, p.prompt, s.text) for (p, _), s in zip(pairs, solutions)],
                                  max_tokens[VERIFIER])
     verdicts = [parse_verdict(r.text) for r in reports]
     caught = sum(v == WRONG and not ok for v, ok in zip(verdicts, right))
@@ -65,7 +65,7 @@ def evaluate(generator: TextGenerator, roles: Roles, problems: Sequence[Problem]
     recall, specificity = _rate(caught, n_wrong), _rate(passed, n_right)
     parts = [x for x in (recall, specificity) if not math.isnan(x)]
 
-    fixes = generator.complete(
+    fixes = for_role(generator, CORRECTOR).complete(
         [roles.prompt(tok, CORRECTOR, p.prompt, s.text, parse_bug_report(r.text))
          for (p, _), s, r in zip(pairs, solutions, reports)], max_tokens[CORRECTOR])
     fixed_right = [judge_solution(f.text, p.answer, f.truncated).correct for (p, _), f in zip(pairs, fixes)]

@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from marsrl_core.config import MarsRLConfig
+from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.engines.base import SamplingParams, TextGenerator
 from marsrl_core.evaluation import EvalReport, evaluate
 from marsrl_core.policy import make_engine, policy_folder
@@ -61,12 +61,21 @@ def print_report(console: Console, reports: dict[str, EvalReport | dict]) -> Non
 
 def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: str,
                     folder: Path | None = None) -> EvalReport:
-    """Evaluate the policy in `folder` (default: the run's starting policy) and record the metrics."""
-    engine = make_engine(cfg, folder or policy_folder(cfg))
-    problems = evaluation_problems(cfg, store, run_id, engine.tokenizer)
+    """Evaluate a policy and record the metrics. `folder`: the run's starting policy when None; a model
+    folder; or a learner checkpoint (its `policy` model, or one model per agent for `per_agent`)."""
+    folder = Path(folder) if folder is not None else policy_folder(cfg)
+    if (folder / "config.json").is_file():
+        folders = {agent: folder for agent in AGENTS}
+    else:
+        shared = (folder / "policy").is_dir()
+        folders = {agent: folder / ("policy" if shared else agent) for agent in AGENTS}
+    engines = {path: make_engine(cfg, path) for path in set(folders.values())}
     ev = cfg.evaluation
-    generator = TextGenerator(engine, engine.tokenizer, cfg.rollout.segment_tokens,
-                              SamplingParams(temperature=ev.temperature, seed=cfg.seed))
+    generators = {path: TextGenerator(engine, engine.tokenizer, cfg.rollout.segment_tokens,
+                                      SamplingParams(temperature=ev.temperature, seed=cfg.seed))
+                  for path, engine in engines.items()}
+    generator = {agent: generators[path] for agent, path in folders.items()}
+    problems = evaluation_problems(cfg, store, run_id, generator["solver"].tokenizer)
     budgets = {agent: cfg.rollout.max_tokens(agent) for agent in ("solver", "verifier", "corrector")}
     start = time.perf_counter()
     report = evaluate(generator, roles_from_config(cfg), problems, k=ev.k, max_tokens=budgets,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from marsrl_core.engines.base import TextGenerator
+from marsrl_core.engines.base import TextGenerator, for_role
 from marsrl_core.roles import CORRECT, CORRECTOR, SOLVER, VERIFIER, Roles, parse_answer, parse_bug_report, parse_verdict
 
 
@@ -58,7 +58,7 @@ class _Loop:
 
 
 def run_vc_loop(
-    generator: TextGenerator,
+    generator: TextGenerator | dict[str, TextGenerator],
     roles: Roles,
     problems: Sequence[str],
     *,
@@ -72,12 +72,12 @@ def run_vc_loop(
     if accept_after < 1 or max_rounds < 1 or workers < 1:
         raise ValueError(f"run_vc_loop: accept_after={accept_after}, max_rounds={max_rounds}, workers={workers} "
                          "must all be >= 1")
-    tokenizer = generator.tokenizer
+    tokenizer = for_role(generator, SOLVER).tokenizer
     loops = [_Loop(VCResult(p, w), problem, Candidate(""))
              for p, problem in enumerate(problems) for w in range(workers)]
     if initial_solutions is None:
         prompts = [roles.prompt(tokenizer, SOLVER, lp.problem) for lp in loops]
-        for lp, out in zip(loops, generator.complete(prompts, max_tokens[SOLVER])):
+        for lp, out in zip(loops, for_role(generator, SOLVER).complete(prompts, max_tokens[SOLVER])):
             lp.current.text, lp.result.tokens = out.text, len(out.token_ids)
     else:
         for lp in loops:
@@ -90,7 +90,7 @@ def run_vc_loop(
         if not active:
             break
         prompts = [roles.prompt(tokenizer, VERIFIER, lp.problem, lp.current.text) for lp in active]
-        reports = generator.complete(prompts, max_tokens[VERIFIER])
+        reports = for_role(generator, VERIFIER).complete(prompts, max_tokens[VERIFIER])
         to_correct = []
         for lp, report in zip(active, reports):
             verdict = parse_verdict(report.text)
@@ -107,7 +107,7 @@ def run_vc_loop(
         if to_correct and round_index < max_rounds:
             prompts = [roles.prompt(tokenizer, CORRECTOR, lp.problem, lp.current.text, report)
                        for lp, report in to_correct]
-            for (lp, _), out in zip(to_correct, generator.complete(prompts, max_tokens[CORRECTOR])):
+            for (lp, _), out in zip(to_correct, for_role(generator, CORRECTOR).complete(prompts, max_tokens[CORRECTOR])):
                 lp.result.tokens += len(out.token_ids)
                 lp.current = Candidate(out.text, 0, round_index)
                 lp.result.candidates.append(lp.current)

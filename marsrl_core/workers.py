@@ -178,7 +178,7 @@ def evaluate(cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None 
     """Evaluate a policy (the starting one, or a checkpoint folder) and record it in the store."""
     from marsrl_core.jobs import evaluate_policy
 
-    folder = None if checkpoint is None else Path(checkpoint) / "policy"
+    folder = None if checkpoint is None else Path(checkpoint)
     report = evaluate_policy(cfg, store_for(cfg), run_id, label, folder=folder)
     if run_id in _trackers:
         _trackers[run_id].log_metrics({f"eval_{label}/{k}": v for k, v in report.as_dict().items()})

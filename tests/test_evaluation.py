@@ -48,3 +48,22 @@ def test_rates_without_cases_are_nan():
     report = evaluate(gen, Roles.from_config(base=TINY_TEMPLATES), [Problem("a", "1+1", "2")], k=1,
                       max_tokens=BUDGET, accept_after=1)
     assert report.solver_acc == 1.0 and math.isnan(report.corrector_fix) and report.vc_acc == 1.0
+
+
+def test_per_agent_checkpoints_evaluate_each_role_with_its_own_model(tmp_path):
+    """A per-agent checkpoint folder holds solver/verifier/corrector models; each role uses its own."""
+    from marsrl_core.config import load_config
+    from marsrl_core.jobs import evaluate_policy
+    from marsrl_core.store import SegmentStore
+    from marsrl_core.tiny import build_tiny_model
+
+    ckpt = tmp_path / "v1"
+    for i, agent in enumerate(("solver", "verifier", "corrector")):
+        build_tiny_model(ckpt / agent, seed=i, max_position_embeddings=512)
+    cfg = load_config("tiny", None, [f"store.catalog_url=sqlite:{tmp_path}/l.sqlite", f"store.data_path={tmp_path}/d",
+                                     "evaluation.num_problems=2", "evaluation.k=1", "evaluation.max_rounds=1"])
+    store = SegmentStore.from_config(cfg.store)
+    report = evaluate_policy(cfg, store, "r", "after", folder=ckpt)
+    assert report.problems == 2
+    with pytest.raises(Exception, match="not found or has no config.json"):
+        evaluate_policy(cfg, store, "r", "after", folder=tmp_path / "empty")

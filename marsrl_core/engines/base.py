@@ -122,3 +122,11 @@ class TextGenerator:
         for out in outputs:
             out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return outputs
+
+
+Generators = "TextGenerator | dict[str, TextGenerator]"
+
+
+def for_role(generator: "TextGenerator | dict[str, TextGenerator]", role: str) -> TextGenerator:
+    """The generator of `role`: the same one for all roles (shared policy) or one per role."""
+    return generator[role] if isinstance(generator, dict) else generator
