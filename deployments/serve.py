@@ -1,6 +1,6 @@
 """Serve the MarsRL flows as Prefect deployments from this process (`marsrl serve`).
 
-Deployments: `train` on a nightly schedule (cron, configurable), `rollout`, `learner`, `evaluate`
+Deployments: `train` on a nightly schedule (cron, configurable), `rollout`, `learner`, `evaluate`, `sft`
 (run on demand from the UI with their parameters), and `maintenance` (hourly DuckLake compaction).
 Every deployment takes the full pydantic config as a parameter, so the UI shows it as a form.
 For the worker path (a process work pool) see `prefect.yaml` beside this file.
@@ -14,6 +14,7 @@ from flows.evaluate import evaluate_flow
 from flows.learner import learner_flow
 from flows.maintenance import maintenance_flow
 from flows.rollout import rollout_flow
+from flows.sft import sft_flow
 from flows.train import train_flow
 from marsrl_core.config import MarsRLConfig
 
@@ -27,6 +28,7 @@ def deployments(config: MarsRLConfig, train_cron: str | None = "0 2 * * *", main
         learner_flow.to_deployment(name="marsrl-learner", parameters=params | {"run_id": "manual"}),
         evaluate_flow.to_deployment(name="marsrl-evaluate", parameters=params | {"run_id": "manual"}),
         maintenance_flow.to_deployment(name="marsrl-maintenance", cron=maintenance_cron, parameters=params),
+        sft_flow.to_deployment(name="marsrl-sft", parameters=params),
     ]
 
 

@@ -44,3 +44,72 @@ def write_solution(steps: list[tuple[int, int, int]]) -> str:
 
 def correct_solution(prompt: str) -> str:
     return write_solution(solution_steps(prompt))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Demonstrations for the SFT warm start: the three roles, each with injected mistakes so that the warm
+# start is imperfect in all of them (RL's job is to sharpen them).
+
+def parse_steps(solution: str) -> list[tuple[int, int, int]] | None:
+    """The (a, b, c) steps of a solution written as `a+b=c;...;Answer: x`, or None if malformed."""
+    parts = solution.split(";")
+    if not parts[-1].strip().startswith("Answer:"):
+        return None
+    steps = []
+    for part in parts[:-1]:
+        try:
+            left, c = part.split("=")
+            a, b = left.split("+")
+            steps.append((int(a), int(b), int(c)))
+        except ValueError:
+            return None
+    return steps
+
+
+def noisy_steps(prompt: str, rng: random.Random, step_error: float) -> list[tuple[int, int, int]]:
+    """A chain with each step wrong with probability `step_error`; later steps build on the wrong total."""
+    terms = [int(t) for t in prompt.split("+")]
+    steps, total = [], terms[0]
+    for term in terms[1:]:
+        result = (total + term) % 10
+        if rng.random() < step_error:
+            result = (result + rng.randint(1, 9)) % 10
+        steps.append((total, term, result))
+        total = result
+    return steps
+
+
+def verifier_report(solution: str, prompt: str) -> str:
+    """Per-step marks (each step checked locally), then the verdict: `ok;ok;no;Correctness: Wrong`."""
+    steps = parse_steps(solution)
+    if steps is None:
+        return "bad;Correctness: Wrong"
+    terms = [int(t) for t in prompt.split("+")]
+    marks, total, fine = [], terms[0], len(steps) == len(terms) - 1
+    for (a, b, c), term in zip(steps, terms[1:]):
+        good = a == total and b == term and c == (a + b) % 10
+        marks.append("ok" if good else "no")
+        fine &= good
+        total = c
+    answer = solution.rsplit("Answer:", 1)[-1].strip()
+    fine &= bool(steps) and answer == str(steps[-1][2])
+    return ";".join(marks) + f";Correctness: {'Correct' if fine else 'Wrong'}"
+
+
+def demonstrations(problems: list[Problem], rng: random.Random, *, solver_error: float = 0.15,
+                   verdict_flip: float = 0.1, repair_failure: float = 0.2) -> list[tuple[str, str, str]]:
+    """(role, prompt fields joined by '|', target) demonstrations for all three roles."""
+    demos = []
+    for p in problems:
+        solution = write_solution(noisy_steps(p.prompt, rng, solver_error))
+        demos.append(("solver", p.prompt, solution))
+        judged = write_solution(noisy_steps(p.prompt, rng, 0.35))
+        report = verifier_report(judged, p.prompt)
+        if rng.random() < verdict_flip:
+            flipped = "Correct" if report.endswith("Wrong") else "Wrong"
+            report = report.rsplit(":", 1)[0] + f": {flipped}"
+        demos.append(("verifier", f"{p.prompt}|{judged}", report))
+        wrong = write_solution(noisy_steps(p.prompt, rng, 0.5))
+        repair = wrong if rng.random() < repair_failure else correct_solution(p.prompt)
+        demos.append(("corrector", f"{p.prompt}|{wrong}|{verifier_report(wrong, p.prompt)}", repair))
+    return demos

@@ -83,3 +83,14 @@ def test_marsrl_core_never_imports_prefect():
                                                  "from tasks", "import tasks"))
                         for line in p.read_text().splitlines())]
     assert offenders == []
+
+
+def test_sft_flow_warm_starts_and_reuses_the_cache(tmp_path):
+    from pathlib import Path
+
+    from flows.sft import sft_flow
+
+    cfg = small_config(tmp_path)
+    folder = Path(sft_flow(cfg, steps=5, batch_size=4, num_problems=10))
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    assert Path(sft_flow(cfg, steps=5, batch_size=4, num_problems=10)) == folder

@@ -1,0 +1,71 @@
+"""SFT warm start: the demonstrations are right where they claim to be, SFT learns, the cache works."""
+
+from __future__ import annotations
+
+import random
+
+from marsrl_core.config import load_config
+from marsrl_core.roles import TINY_TEMPLATES, Roles
+from marsrl_core.synthetic import (correct_solution, demonstrations, make_problems, noisy_steps, parse_steps,
+                                   verifier_report, write_solution)
+
+
+def test_verifier_reports_mark_each_step_and_the_verdict():
+    assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 4", "7+5+9+3") == "ok;ok;ok;Correctness: Correct"
+    assert verifier_report("7+5=2;2+9=2;2+3=5;Answer: 5", "7+5+9+3") == "ok;no;ok;Correctness: Wrong"
+    assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 5", "7+5+9+3").endswith("Wrong")  # answer not the last total
+    assert verifier_report("7+5=", "7+5+9+3") == "bad;Correctness: Wrong"
+    assert parse_steps(correct_solution("1+2+3")) == [(1, 2, 3), (3, 3, 6)]
+
+
+def test_demonstrations_inject_mistakes_at_the_configured_rates():
+    rng = random.Random(0)
+    problems = make_problems(2000, 0)
+    demos = demonstrations(problems, rng, solver_error=0.15, verdict_flip=0.1, repair_failure=0.2)
+    solver = [t for r, f, t in demos if r == "solver"]
+    wrong = sum(t != correct_solution(p.prompt) for t, p in zip(solver, problems)) / len(problems)
+    assert 0.2 < wrong < 0.5  # 15% per step over 2-4 steps
+    verifier = [(f, t) for r, f, t in demos if r == "verifier"]
+    flipped = sum(verifier_report(f.split("|")[1], f.split("|")[0]) != t for f, t in verifier) / len(verifier)
+    assert 0.07 < flipped < 0.13
+    repairs = [(f, t) for r, f, t in demos if r == "corrector"]
+    failed = sum(t != correct_solution(f.split("|")[0]) for f, t in repairs) / len(repairs)
+    assert 0.15 < failed < 0.3
+    assert noisy_steps("1+2+3", random.Random(1), 0.0) == [(1, 2, 3), (3, 3, 6)]
+
+
+def test_sft_learns_a_small_task_and_warm_starts_are_cached(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from marsrl_core.engines.base import SamplingParams, TextGenerator
+    from marsrl_core.engines.hf import HFEngine
+    from marsrl_core.sft import train_sft, warm_start
+
+    cfg = load_config("tiny", None, [f"output_dir={tmp_path}/out"])
+    from marsrl_core.policy import policy_folder
+
+    start = policy_folder(cfg)
+    model, tok = AutoModelForCausalLM.from_pretrained(start), AutoTokenizer.from_pretrained(start)
+    roles = Roles.from_config(base=TINY_TEMPLATES)
+    # A task a tiny model learns in seconds: the solver always writes the first term as its answer.
+    examples = [("solver", p.prompt, f"Answer: {p.prompt[0]}") for p in make_problems(300, 3)]
+
+    def accuracy():
+        engine = HFEngine(model, tok)
+        gen = TextGenerator(engine, tok, 16, SamplingParams(temperature=0))
+        probes = make_problems(40, 99)
+        outs = gen.complete([roles.prompt(tok, "solver", p.prompt) for p in probes], 16)
+        return sum(o.text.strip() == f"Answer: {p.prompt[0]}" for o, p in zip(outs, probes)) / len(probes)
+
+    before = accuracy()
+    losses = train_sft(model, tok, roles, examples, steps=150, batch_size=32, learning_rate=3e-3, seed=0)
+    after = accuracy()
+    assert before == 0.0 and after >= 0.8, (before, after)
+    assert losses[-1] < losses[0] / 4
+
+    first = warm_start(cfg, steps=3, batch_size=4, num_problems=20)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again = warm_start(cfg, steps=3, batch_size=4, num_problems=20)
+    assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not retrained
+    other = warm_start(cfg.model_copy(update={"seed": 1}), steps=3, batch_size=4, num_problems=20)
+    assert other != first  # a different config gets its own warm start
