@@ -66,10 +66,30 @@ def save_checkpoint(root: Path, version: int, models: dict[str, Any], tokenizer:
         meta["schedulers"][name] = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
     save_file(tensors, str(tmp / STATE_TENSORS))
     (tmp / STATE_JSON).write_text(json.dumps(meta))
+    _fsync_tree(tmp)  # on disk before the store commit that points at it
     if final.exists():  # a folder left by a step whose store commit never happened
         shutil.rmtree(final)
     os.replace(tmp, final)
+    _fsync_dir(root)
     return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(Path(folder).rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            _fsync_dir(path)
+    _fsync_dir(folder)
 
 
 def load_checkpoint(folder: Path, models: dict[str, Any], optimizers: dict[str, torch.optim.Optimizer],

@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from marsrl_core.config import AGENTS
 from marsrl_core.learner import Learner, StepReport
 from marsrl_core.rollout import RolloutScheduler
 from marsrl_core.store import SegmentStore, TrainableGroup
 
-AGENTS = ("solver", "verifier", "corrector")
 
 
 @dataclass
@@ -55,9 +55,13 @@ def ready_groups(store: SegmentStore, run_id: str, per_agent: int, flush: bool =
 
 
 def _offer(scheduler: RolloutScheduler, learner: Learner, report: StepReport) -> None:
-    weights = {agent: learner.state_dict(agent) for agent in AGENTS}
-    snapshot = {agent: {k: v.clone() for k, v in w.items()} for agent, w in weights.items()}
-    scheduler.offer_weights(report.step, snapshot)
+    """Offer a copy of the new weights (the learner keeps training its own), one copy per policy."""
+    copies: dict[str, dict] = {}
+    for agent in AGENTS:
+        name = learner.policy_name(agent)
+        if name not in copies:
+            copies[name] = {k: v.clone() for k, v in learner.state_dict(agent).items()}
+    scheduler.offer_weights(report.step, {agent: copies[learner.policy_name(agent)] for agent in AGENTS})
 
 
 def run_pipelined(scheduler: RolloutScheduler, learner: Learner, max_steps: int,

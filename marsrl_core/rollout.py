@@ -33,6 +33,7 @@ rejected and recorded, and that branch ends.
 from __future__ import annotations
 
 import random
+import threading
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -113,6 +114,7 @@ class RolloutScheduler:
         self.states: dict[str, ProblemState] = {}
         self.admitted = 0
         self.pending: tuple[int, Any] | None = None
+        self._pending_lock = threading.Lock()
         self.exhausted = False
         self.context = getattr(self.engine, "max_positions", None) or getattr(self.engine, "max_model_len", None)
         self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0}
@@ -126,18 +128,24 @@ class RolloutScheduler:
 
     def offer_weights(self, version: int, weights: Any) -> None:
         """A newer policy (weights, or a dict agent -> weights); applied at the next stage boundary the
-        staleness bound allows."""
-        self.pending = (version, weights)
+        staleness bound allows. Safe to call from another thread (the learner's)."""
+        with self._pending_lock:
+            if self.pending is None or version > self.pending[0]:
+                self.pending = (version, weights)
 
     def _apply_pending(self) -> bool:
-        if self.pending is None:
+        with self._pending_lock:
+            offered = self.pending
+        if offered is None:
             return True
-        version, weights = self.pending
+        version, weights = offered
         if version <= self.version:  # an engine shared with another scheduler already has it
-            self.pending = None
+            self._clear_pending(offered)
             return True
         oldest = min((s.start_version for s in self.in_flight() if s.start_version is not None), default=version)
-        if version - oldest > self.rc.max_staleness:
+        # After a restart the engine may hold weights older than the restored samples themselves; then
+        # any newer policy is closer to them than what it has, so it is applied at once.
+        if version - oldest > self.rc.max_staleness and self.version >= oldest:
             self.stats["deferred_updates"] += 1
             return False
         done: set[int] = set()
@@ -146,8 +154,14 @@ class RolloutScheduler:
                 engine.update_weights(version, weights[agent] if isinstance(weights, dict) and agent in weights
                                       else weights)
                 done.add(id(engine))
-        self.pending = None
+        self._clear_pending(offered)
         return True
+
+    def _clear_pending(self, applied: tuple[int, Any]) -> None:
+        """Forget the applied offer, unless a newer one arrived meanwhile."""
+        with self._pending_lock:
+            if self.pending is applied:
+                self.pending = None
 
     # ------------------------------------------------------------------ state
     def in_flight(self) -> list[Sample]:

@@ -130,7 +130,7 @@ def view_ddl(catalog: str) -> list[str]:
             SELECT c.run_id, c.sample_id, c.agent, c.learner_step,
                    min(g.policy_version) AS oldest_version, max(g.policy_version) AS newest_version,
                    max(g.policy_version) - min(g.policy_version) AS versions_spanned,
-                   c.learner_step - min(g.policy_version) AS staleness
+                   c.learner_step - 1 - min(g.policy_version) AS staleness
             FROM {c}.consumptions c JOIN {c}.segments g USING (run_id, sample_id)
             GROUP BY c.run_id, c.sample_id, c.agent, c.learner_step""",
         f"""CREATE VIEW IF NOT EXISTS {c}.in_flight_decodes AS

@@ -24,7 +24,7 @@ from typing import Any
 import transformers  # noqa: F401  (imported here, once: lazy imports from several threads race)
 
 from marsrl_core import policy, tiny  # noqa: F401
-from marsrl_core.config import MarsRLConfig
+from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.engines.batching import BatchingEngine
 from marsrl_core.problems import Problem, load_problems
 from marsrl_core.roles import Roles
@@ -84,7 +84,6 @@ def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
     return store.add_problems(run_id, [p for p in problems if p.problem_id not in known])
 
 
-AGENTS = ("solver", "verifier", "corrector")
 
 
 def engines_for(cfg: MarsRLConfig) -> BatchingEngine | dict[str, BatchingEngine]:
@@ -151,7 +150,14 @@ def train_step(cfg: MarsRLConfig, run_id: str, flush: bool = False, tracker: Any
     groups = ready_groups(learner.store, run_id, cfg.learner.groups_per_step, flush=flush)
     if not groups:
         return None
-    report = learner.train_step(groups)
+    try:
+        report = learner.train_step(groups)
+    except BaseException:
+        # The update may have been applied in memory but not committed: drop this learner so a retry
+        # rebuilds it from the last committed version (and its uncommitted folder is cleaned up).
+        with _lock:
+            _learners.pop(run_id, None)
+        raise
     return {"step": report.step, "checkpoint": str(report.checkpoint), "metrics": report.metrics}
 
 

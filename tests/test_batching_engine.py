@@ -35,3 +35,11 @@ def test_errors_reach_every_caller_of_the_batch(engine):
         shared.decode_segment([SegmentRequest([5] * 200, (), 4, SamplingParams(temperature=0))])
     # The engine is usable again afterwards.
     assert len(shared.decode_segment([SegmentRequest([5], (), 2, SamplingParams(temperature=0))])[0].token_ids) == 2
+
+
+def test_an_older_version_never_replaces_a_newer_one(engine):
+    shared = BatchingEngine(engine)
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    shared.update_weights(6, state)
+    shared.update_weights(5, state)  # a slower scheduler offering an older version
+    assert shared.policy_version == 6

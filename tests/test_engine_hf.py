@@ -99,3 +99,25 @@ def test_seeded_sampling_is_reproducible_and_independent_per_prompt(engine):
     again = generate(engine, prompts, 24, 5, hot)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert first[0].token_ids != first[1].token_ids
+
+
+def test_weight_update_from_a_checkpoint_with_tied_embeddings(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from marsrl_core.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    for seed, name in ((0, "a"), (1, "b")):
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    engine = HFEngine.from_pretrained(tmp_path / "a")
+    reference = HFEngine.from_pretrained(tmp_path / "b")
+    engine.update_weights(1, tmp_path / "b")  # lm_head is not in the file: it is the embedding matrix
+    prompt = [5, 6, 7]
+    got = engine.decode_segment([SegmentRequest(prompt, (), 8, GREEDY)])[0]
+    want = reference.decode_segment([SegmentRequest(prompt, (), 8, GREEDY)])[0]
+    assert got.token_ids == want.token_ids and got.policy_version == 1

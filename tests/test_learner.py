@@ -161,3 +161,25 @@ def test_mlflow_holds_metrics_and_a_loadable_checkpoint(folder, tmp_path, monkey
     trained = learner.models["policy"].state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
     assert store.latest_version(RUN)[0] == 2
+
+
+def test_a_step_that_fails_to_publish_is_not_trained_twice(folder, tmp_path, monkeypatch):
+    from marsrl_core import workers
+
+    cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=0)
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path / "out"),
+                                 "model": cfg.model.model_copy(update={"path": str(folder)})})
+    store = workers.store_for(cfg)
+    engine = HFEngine.from_pretrained(folder)
+    sample_groups(engine, store, "pub", "solver", "S|2+2|", groups=4, size=4, reward_fn=digit_fraction)
+    learner = workers.learner_for(cfg, "pub")
+    blocker = learner.checkpoint_root / "v1"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("a file where the checkpoint folder must go: publishing fails")
+    with pytest.raises(OSError):
+        workers.train_step(cfg, "pub")
+    assert store.latest_version("pub") is None and store.count("consumptions", "pub") == 0
+    blocker.unlink()
+    result = workers.train_step(cfg, "pub")  # the retry: rebuilt from the store, trains once
+    assert result["step"] == 1 and store.latest_version("pub")[0] == 1
+    assert workers.learner_for(cfg, "pub").step == 1

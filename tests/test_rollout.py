@@ -223,3 +223,23 @@ def test_resume_continues_without_redecoding(tmp_path, tiny):
     assert store.count("rewards", RUN) == store.count("samples", RUN)
     assert {r["problem_id"] for r in store.query("SELECT DISTINCT problem_id FROM samples").to_pylist()} == \
         {"p0", "p1", "p2"}
+
+
+def test_a_version_offered_during_an_update_is_not_lost(tmp_path):
+    cfg = _cfg(tmp_path, max_turns=1)
+    store = SegmentStore.from_config(cfg.store)
+    engine = ScriptedEngine(lambda p: "Answer: 1")
+    sched = _scheduler(cfg, store, engine, _problems(2))
+    original = engine.update_weights
+
+    def slow_update(version, weights):  # the learner publishes v2 while v1 is being loaded
+        if version == 1:
+            sched.offer_weights(2, "w2")
+        original(version, weights)
+
+    engine.update_weights = slow_update
+    sched.offer_weights(1, "w1")
+    sched.stage()
+    assert engine.policy_version == 1 and sched.pending is not None and sched.pending[0] == 2
+    sched.stage()
+    assert engine.policy_version == 2 and sched.pending is None

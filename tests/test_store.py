@@ -60,8 +60,9 @@ def test_exactly_once_commit(store):
     assert store.count("consumptions", RUN) == 2
     # A step that "crashed" before commit_step leaves its samples trainable: nothing records them.
     assert store.trainable_groups(RUN, "solver")[0].sample_ids == ids[2:]
+    # Step 1 trained policy version 0 on tokens from version 0: no staleness.
     stale = store.query("SELECT staleness FROM staleness ORDER BY sample_id").column("staleness").to_pylist()
-    assert stale == [1, 1]
+    assert stale == [0, 0]
 
 
 def test_views_answer_the_users_questions(store):

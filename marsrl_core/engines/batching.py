@@ -92,9 +92,13 @@ class BatchingEngine:
             t.done.set()
 
     def update_weights(self, version: int, weights: Any) -> None:
+        """Load a newer version between segment batches; an older or equal version is ignored (several
+        schedulers may offer the same update, in any order)."""
         with self._cv:
             while self._decoding:
                 self._cv.wait()
+            if version <= self.engine.policy_version:
+                return
             self._decoding = True
         try:
             self.engine.update_weights(version, weights)

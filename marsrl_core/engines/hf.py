@@ -88,7 +88,12 @@ class HFEngine:
         state = weights if isinstance(weights, dict) else load_safetensors_state(weights)
         with torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if unexpected or [m for m in missing if "rotary" not in m]:
+        # Tied parameters (e.g. lm_head sharing the input embeddings) are saved once: a key missing
+        # from the file is fine when its tensor is the same storage as a key that was loaded.
+        tensors = self.model.state_dict(keep_vars=True)
+        loaded = {tensors[k].data_ptr() for k in state if k in tensors}
+        missing = [m for m in missing if "rotary" not in m and tensors[m].data_ptr() not in loaded]
+        if unexpected or missing:
             raise EngineError(f"update_weights(version={version}): weights do not fit the model "
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         self.policy_version = version
