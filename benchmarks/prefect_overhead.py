@@ -2,7 +2,8 @@
 `marsrl_core.workers` and through the Prefect rollout flow (a DAG of agent-turn tasks), side by side.
 
 The first flow in a process starts Prefect's temporary server (~15-20 s here); a warm-up flow runs
-first so that start-up is not counted. Run: `python benchmarks/prefect_overhead.py`. Writes
+first so that start-up is not counted. The two paths alternate, three times each, and the medians are
+compared (this machine is shared and noisy). Run: `python benchmarks/prefect_overhead.py`. Writes
 benchmarks/results/prefect_overhead.json with overhead_per_stage_s, stage_s and overhead_fraction.
 """
 
@@ -53,16 +54,20 @@ def main() -> None:
         root = Path(tmp)
         warm = config(root, "warm")
         rollout_flow(warm, "warm", 0)  # starts the temporary Prefect server and builds the tiny model
-        direct_s, direct_stages = direct(config(root, "direct"), "direct")
-        prefect_s, prefect_stages = with_prefect(config(root, "prefect"), "prefect")
+        runs = {"direct": [], "prefect": []}
+        for i in range(3):
+            runs["direct"].append(direct(config(root, f"direct{i}"), f"direct{i}"))
+            runs["prefect"].append(with_prefect(config(root, f"prefect{i}"), f"prefect{i}"))
+        direct_s, direct_stages = sorted(runs["direct"])[1]
+        prefect_s, prefect_stages = sorted(runs["prefect"])[1]
     stage_s = direct_s / direct_stages
     overhead = (prefect_s - direct_s) / prefect_stages
-    print_rows(f"rollout of {BATCHES} batches x 32 problems, tiny model, 32-token segments",
+    print_rows(f"rollout of {BATCHES} batches x 32 problems, tiny model, 32-token segments (median of 3)",
                ["path", "wall s", "stages", "s per stage"],
                [["direct (marsrl_core.workers)", direct_s, direct_stages, stage_s],
                 ["Prefect flow + tasks", prefect_s, prefect_stages, prefect_s / prefect_stages]])
     print(f"Prefect overhead per stage: {overhead * 1000:.1f} ms = {overhead / stage_s:.1%} of a stage (goal < 5%)")
-    print(f"wrote {write_results('prefect_overhead', {'overhead_per_stage_s': overhead, 'stage_s': stage_s, 'overhead_fraction': overhead / stage_s, 'direct_s': direct_s, 'prefect_s': prefect_s, 'stages': prefect_stages})}")
+    print(f"wrote {write_results('prefect_overhead', {'overhead_per_stage_s': overhead, 'stage_s': stage_s, 'overhead_fraction': overhead / stage_s, 'direct_s': direct_s, 'prefect_s': prefect_s, 'stages': prefect_stages, 'all_runs_s': {k: [w for w, _ in v] for k, v in runs.items()}})}")
 
 
 if __name__ == "__main__":
