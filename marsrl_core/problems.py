@@ -100,7 +100,7 @@ def load_problems(
         raise DatasetError(f"dataset {str(path)!r}: no such file")
     result = LoadedProblems()
     for location, row in _rows(path):
-        def reject(reason: str) -> None:
+        def reject(reason: str, location: str = location, row: Any = row) -> None:
             result.rejected.append(Rejection(str(path), location, reason, str(row)[:500]))
 
         if isinstance(row, Exception):

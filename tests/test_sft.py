@@ -7,7 +7,7 @@ import random
 from marsrl_core.config import load_config
 from marsrl_core.roles import TINY_TEMPLATES, Roles
 from marsrl_core.synthetic import (correct_solution, demonstrations, make_problems, noisy_steps, parse_steps,
-                                   verifier_report, write_solution)
+                                   verifier_report)
 
 
 def test_verifier_reports_mark_each_step_and_the_verdict():
