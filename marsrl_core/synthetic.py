@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 from marsrl_core.problems import Problem
+from marsrl_core.roles import parse_bug_report
 
 
 def make_problem(rng: random.Random, index: int, min_terms: int = 3, max_terms: int = 5, prefix: str = "syn") -> Problem:
@@ -111,5 +112,7 @@ def demonstrations(problems: list[Problem], rng: random.Random, *, solver_error:
         demos.append(("verifier", f"{p.prompt}|{judged}", report))
         wrong = write_solution(noisy_steps(p.prompt, rng, 0.5))
         repair = wrong if rng.random() < repair_failure else correct_solution(p.prompt)
-        demos.append(("corrector", f"{p.prompt}|{wrong}|{verifier_report(wrong, p.prompt)}", repair))
+        # The Corrector sees the bug report as rollouts and the V-C loop pass it: without the verdict.
+        report_text = parse_bug_report(verifier_report(wrong, p.prompt))
+        demos.append(("corrector", f"{p.prompt}|{wrong}|{report_text}", repair))
     return demos

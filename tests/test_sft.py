@@ -31,6 +31,8 @@ def test_demonstrations_inject_mistakes_at_the_configured_rates():
     repairs = [(f, t) for r, f, t in demos if r == "corrector"]
     failed = sum(t != correct_solution(f.split("|")[0]) for f, t in repairs) / len(repairs)
     assert 0.15 < failed < 0.3
+    # The Corrector's report is the bug report as the rollout passes it: the verdict line removed.
+    assert all("Correctness" not in f.split("|")[2] for f, _ in repairs)
     assert noisy_steps("1+2+3", random.Random(1), 0.0) == [(1, 2, 3), (3, 3, 6)]
 
 
