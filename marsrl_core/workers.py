@@ -17,6 +17,7 @@ flow, not across flows.
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import transformers  # noqa: F401  (imported here, once: lazy imports from sever
 from marsrl_core import policy, tiny  # noqa: F401
 from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.engines.batching import BatchingEngine
-from marsrl_core.problems import Problem, load_problems
+from marsrl_core.problems import LoadedProblems, Problem, load_problems
 from marsrl_core.roles import Roles
 from marsrl_core.rollout import RolloutScheduler
 from marsrl_core.store import SegmentStore
@@ -69,16 +70,23 @@ def batch_problems(cfg: MarsRLConfig, batch_index: int) -> list[Problem]:
     if cfg.data.train_dataset is None:
         return make_problems(n, cfg.seed * 100_003 + batch_index, prefix=f"b{batch_index}",
                              min_terms=cfg.data.synthetic_min_terms, max_terms=cfg.data.synthetic_max_terms)
-    loaded = load_problems(cfg.data.train_dataset, question_field=cfg.data.question_field,
-                           answer_field=cfg.data.answer_field)
-    pool = loaded.problems
+    pool = _training_set(cfg.data.train_dataset, cfg.data.question_field, cfg.data.answer_field).problems
     return [Problem(f"b{batch_index}-{p.problem_id}", p.prompt, p.answer, p.source)
             for p in (pool[(batch_index * n + i) % len(pool)] for i in range(n))]
+
+
+@functools.lru_cache(maxsize=4)
+def _training_set(path: str, question_field: str, answer_field: str) -> LoadedProblems:
+    """The training file, read once per process (every turn task of every batch slices it)."""
+    return load_problems(path, question_field=question_field, answer_field=answer_field)
 
 
 def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
     store = store_for(cfg)
     problems = batch_problems(cfg, batch_index)
+    if cfg.data.train_dataset is not None and batch_index == 0:  # the file's bad rows, recorded once a run
+        rejected = _training_set(cfg.data.train_dataset, cfg.data.question_field, cfg.data.answer_field).rejected
+        store.reject_many(run_id, [(r.source, r.location, r.reason, r.payload) for r in rejected])
     known = set(store.query("SELECT problem_id FROM problems WHERE run_id = ?", [run_id]).column("problem_id")
                 .to_pylist())
     return store.add_problems(run_id, [p for p in problems if p.problem_id not in known])

@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.configs import small_config
+from tests.servers import free_port, wait_http
 
 ROOT = Path(__file__).parents[1]
 
@@ -35,33 +36,12 @@ def test_docker_compose_file_is_valid_for_compose():
     assert broken.returncode != 0 or "services must be a mapping" in broken.stderr  # it really validates
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(url: str, proc: subprocess.Popen, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited early: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not up after {seconds} s")
-
-
 @pytest.mark.slow
 def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
     from flows.cli import main as _  # noqa: F401  (import check before spawning)
-    from marsrl_core.config import load_config
     from marsrl_core.store import SegmentStore
 
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
@@ -69,17 +49,10 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
                                str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     served = None
     try:
-        _wait(f"{api}/health", server, 120)
+        wait_http(f"{api}/health", server, 120)
         served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--cron", "0 2 * * *"],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-        cfg = load_config("tiny", None, [f"{k}={v}" for k, v in {
-            "store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "store.data_path": f"{tmp_path}/data",
-            "output_dir": f"{tmp_path}/out", "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-            "rollout.num_generations": 4, "rollout.downstream_generations": 2, "rollout.problems_per_batch": 2,
-            "rollout.segment_tokens": 8, "rollout.solver_max_tokens": 16, "rollout.verifier_max_tokens": 16,
-            "rollout.corrector_max_tokens": 16, "rollout.max_turns": 2, "data.num_batches": 1,
-            "learner.groups_per_step": 1, "learner.max_steps": 1, "evaluation.num_problems": 2,
-            "evaluation.k": 1, "evaluation.max_rounds": 1}.items()])
+        cfg = small_config(tmp_path, **{"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1})
         state, schedules = asyncio.run(_trigger(api, cfg.model_dump(mode="json"), served))
         assert state == "COMPLETED"
         assert schedules  # the train deployment carries its nightly schedule

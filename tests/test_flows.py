@@ -5,25 +5,13 @@ from __future__ import annotations
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
-from marsrl_core.config import load_config
+from tests.configs import small_config
 
 
 @pytest.fixture(scope="session", autouse=True)
 def prefect_server():
     with prefect_test_harness(server_startup_timeout=120):
         yield
-
-
-def small_config(tmp_path, **extra):
-    overrides = {
-        "store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "store.data_path": f"{tmp_path}/data",
-        "output_dir": f"{tmp_path}/out", "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-        "rollout.num_generations": 4, "rollout.downstream_generations": 2, "rollout.problems_per_batch": 2,
-        "rollout.segment_tokens": 8, "rollout.solver_max_tokens": 16, "rollout.verifier_max_tokens": 16,
-        "rollout.corrector_max_tokens": 16, "rollout.max_turns": 3, "data.num_batches": 2,
-        "learner.groups_per_step": 1, "learner.max_steps": 2, "evaluation.num_problems": 2, "evaluation.k": 1,
-        "evaluation.max_rounds": 1, **extra}
-    return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()])
 
 
 def test_rollout_flow_is_a_dag_of_agent_turns(tmp_path):
@@ -61,15 +49,12 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
 def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
     from flows.cli import main
 
-    cfg = small_config(tmp_path)
-    sets = [f"--set={k}" for k in (f"store.catalog_url={cfg.store.catalog_url}", f"store.data_path={cfg.store.data_path}",
-            f"output_dir={cfg.output_dir}", f"tracking.mlflow_tracking_uri={cfg.tracking.mlflow_tracking_uri}")]
-    small = [f"--set={k}={v}" for k, v in {"rollout.num_generations": 4, "rollout.downstream_generations": 2,
-             "rollout.problems_per_batch": 2, "rollout.segment_tokens": 8, "rollout.solver_max_tokens": 16,
-             "rollout.verifier_max_tokens": 16, "rollout.corrector_max_tokens": 16, "rollout.max_turns": 2,
-             "data.num_batches": 1, "learner.groups_per_step": 1, "learner.max_steps": 1,
-             "evaluation.num_problems": 2, "evaluation.k": 1, "evaluation.max_rounds": 1}.items()]
-    assert main(["train", *sets, *small, "--run-id", "cli-run"]) == 0
+    from marsrl_core.config import config_to_yaml
+
+    cfg = small_config(tmp_path, **{"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1})
+    path = tmp_path / "small.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert main(["train", "--config", str(path), "--run-id", "cli-run"]) == 0
     out = capsys.readouterr().out
     assert "cli-run" in out and "Solver accuracy" in out and "before" in out and "after" in out
 
@@ -94,3 +79,18 @@ def test_sft_flow_warm_starts_and_reuses_the_cache(tmp_path):
     folder = Path(sft_flow(cfg, steps=5, batch_size=4, num_problems=10))
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
     assert Path(sft_flow(cfg, steps=5, batch_size=4, num_problems=10)) == folder
+
+
+def test_training_dataset_batches_skip_and_record_bad_rows(tmp_path):
+    from marsrl_core import workers
+    from marsrl_core.store import SegmentStore
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"query": "1+2", "ans_box": "3"}\n{"query": "2+2"}\n{"query": "3+3", "ans_box": "6"}\n')
+    cfg = small_config(tmp_path, **{"data.train_dataset": str(data)})
+    assert workers.record_batch(cfg, "ds", 0) == 2 and workers.record_batch(cfg, "ds", 1) == 2
+    prompts = [p.prompt for p in workers.batch_problems(cfg, 1)]
+    assert prompts == ["1+2", "3+3"]  # batches cycle through the good rows only
+    store = SegmentStore.from_config(cfg.store)
+    rows = store.query("SELECT location, reason FROM rejected_inputs WHERE run_id = 'ds'").to_pylist()
+    assert rows == [{"location": "line 2", "reason": "missing field(s) 'ans_box'"}]

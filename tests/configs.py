@@ -1,0 +1,18 @@
+"""A small configuration for end-to-end tests (tiny model, short budgets, one or two batches)."""
+
+from __future__ import annotations
+
+from marsrl_core.config import MarsRLConfig, load_config
+
+
+def small_config(tmp_path, **extra) -> MarsRLConfig:
+    """Everything under `tmp_path`; `extra` overrides dotted keys."""
+    overrides = {
+        "store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "store.data_path": f"{tmp_path}/data",
+        "output_dir": f"{tmp_path}/out", "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        "rollout.num_generations": 4, "rollout.downstream_generations": 2, "rollout.problems_per_batch": 2,
+        "rollout.segment_tokens": 8, "rollout.solver_max_tokens": 16, "rollout.verifier_max_tokens": 16,
+        "rollout.corrector_max_tokens": 16, "rollout.max_turns": 3, "data.num_batches": 2,
+        "learner.groups_per_step": 1, "learner.max_steps": 2, "evaluation.num_problems": 2, "evaluation.k": 1,
+        "evaluation.max_rounds": 1, **extra}
+    return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()])
