@@ -1,7 +1,8 @@
 """The `marsrl` console command: the library's commands plus the Prefect ones.
 
 - `marsrl train`: the main job (`make train`): the train flow (rollout and learner flows
-  concurrently, evaluation before and after), then the before/after table.
+  concurrently, evaluation before and after), then the before/after table. `--resume RUN`
+  continues a killed run.
 - `marsrl rollout --run-id R --batches 0 1 ...`: rollout flows only (one process of a split run).
 - `marsrl learn --run-id R`: the learner flow only (the other process of a split run).
 - `marsrl serve`: serve every deployment (schedules included) for the Prefect UI.
@@ -20,8 +21,13 @@ from marsrl_core.jobs import print_report
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.train import train_flow
 
+    from marsrl_core import workers
+
     cfg = core_cli._config(args)
-    result = train_flow(cfg, args.run_id)
+    if args.resume:
+        cfg = workers.resumed_config(cfg, args.resume)  # the stored config, so the run continues as it began
+        core_cli.console.print(f"resuming run [bold]{args.resume}[/bold]")
+    result = train_flow(cfg, args.resume or args.run_id)
     reports = {label: result[label] for label in ("before", "after") if label in result}
     core_cli.console.print(f"run [bold]{result['run_id']}[/bold]: {result['learner_steps']} learner steps")
     if reports:
@@ -64,6 +70,12 @@ def _run_id(required: bool):
     return setup
 
 
+def _train_setup(parser: argparse.ArgumentParser) -> None:
+    _run_id(False)(parser)
+    parser.add_argument("--resume", metavar="RUN", default=None,
+                        help="Continue a killed run with its stored config (the store located by --config/--set).")
+
+
 def _rollout_setup(parser: argparse.ArgumentParser) -> None:
     _run_id(True)(parser)
     parser.add_argument("--batches", type=int, nargs="*", help="Batch indices (default: all of data.num_batches).")
@@ -83,7 +95,7 @@ def _serve_setup(parser: argparse.ArgumentParser) -> None:
 
 COMMANDS = {
     "train": (cmd_train, "Run the main job: MarsRL training with evaluation before and after (make train).",
-              _run_id(False)),
+              _train_setup),
     "rollout": (cmd_rollout, "Run rollout flows for a run (one side of a split rollout/learner run).", _rollout_setup),
     "learn": (cmd_learn, "Run the learner flow for a run (the other side of a split run).", _learn_setup),
     "serve": (cmd_serve, "Serve the flows as Prefect deployments (with schedules) for the UI.", _serve_setup),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
 from marsrl_core.rollout import agent_of_turn
 from tasks.rollout import record_batch, rollout_turn
@@ -20,4 +21,6 @@ def rollout_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
         task = rollout_turn.with_options(name=f"{agent_of_turn(turn)}-turn{turn}")
         previous = task.submit(config, run_id, batch_index, turn, wait_for=[previous])
         futures.append(previous)
-    return [f.result() for f in futures]
+    results = [f.result() for f in futures]
+    workers.store_for(config).mark(run_id, workers.batch_done_event(batch_index))  # a resumed run skips it
+    return results

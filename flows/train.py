@@ -1,5 +1,9 @@
 """The train flow: rollout flows (one per problem batch, `batches_in_flight` at a time) and the
-learner flow run concurrently, meeting only through the store; then an evaluation of the result."""
+learner flow run concurrently, meeting only through the store; then an evaluation of the result.
+
+Run again with the same `run_id` (`marsrl train --resume RUN`), it continues a killed run: an
+evaluation already recorded is not repeated, finished batches are skipped, an unfinished batch resumes
+from its stored samples, and the learner from its last committed version."""
 
 from __future__ import annotations
 
@@ -31,18 +35,21 @@ def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = Non
                evaluate_before: bool = True, evaluate_after: bool = True) -> dict:
     run_id = run_id or f"{config.run_name}-{uuid.uuid4().hex[:8]}"
     workers.start_run(config, run_id)
+    store = workers.store_for(config)
     result: dict = {"run_id": run_id}
     if evaluate_before:
-        result["before"] = evaluate_flow(config, run_id, "before")
+        result["before"] = store.evaluation(run_id, "before") or evaluate_flow(config, run_id, "before")
     learner = _learner.submit(config, run_id)
-    pending, running = list(range(config.data.num_batches)), []
+    pending = [b for b in range(config.data.num_batches) if not store.has_event(run_id, workers.batch_done_event(b))]
+    running = []
     while pending or running:
         while pending and len(running) < config.rollout.batches_in_flight:
             running.append(_rollout.submit(config, run_id, pending.pop(0)))
         running.pop(0).result()
-    workers.store_for(config).mark(run_id, ROLLOUTS_FINISHED)
+    if not store.has_event(run_id, ROLLOUTS_FINISHED):
+        store.mark(run_id, ROLLOUTS_FINISHED)
     result["learner_steps"] = steps = learner.result()
     if evaluate_after and steps:
-        latest = workers.store_for(config).latest_version(run_id)
-        result["after"] = evaluate_flow(config, run_id, "after", latest[1])
+        latest = store.latest_version(run_id)
+        result["after"] = store.evaluation(run_id, "after") or evaluate_flow(config, run_id, "after", latest[1])
     return result

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from marsrl_core.faults import crash_point
+
 STATE_TENSORS, STATE_JSON = "trainer_state.safetensors", "trainer_state.json"
 
 
@@ -64,6 +66,7 @@ def save_checkpoint(root: Path, version: int, models: dict[str, Any], tokenizer:
         meta["optimizers"][name] = {"param_groups": state["param_groups"], "scalars": scalars}
     for name, sched in schedulers.items():
         meta["schedulers"][name] = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+    crash_point("checkpoint.write")
     save_file(tensors, str(tmp / STATE_TENSORS))
     (tmp / STATE_JSON).write_text(json.dumps(meta))
     _fsync_tree(tmp)  # on disk before the store commit that points at it

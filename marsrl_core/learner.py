@@ -35,6 +35,7 @@ from torch.nn.utils.rnn import pad_sequence
 from marsrl_core.algorithms import chunked_logprobs, group_advantages, policy_loss
 from marsrl_core.checkpoint import clean_uncommitted, load_checkpoint, save_checkpoint, version_folder
 from marsrl_core.config import AGENTS, MarsRLConfig
+from marsrl_core.faults import crash_point
 from marsrl_core.store import SegmentStore, StoredSample, TrainableGroup
 
 
@@ -151,6 +152,7 @@ class Learner:
         consumed: dict[str, list[str]] = {}
         for g in groups:
             consumed.setdefault(g.agent, []).extend(g.sample_ids)
+        crash_point("learner.update")
         folder = self.publish(consumed, metrics)
         return StepReport(self.step, folder, consumed, metrics, nonfinite)
 
@@ -221,6 +223,7 @@ class Learner:
         folder = save_checkpoint(self.checkpoint_root, self.step, self.models, self.tokenizer, self.optimizers,
                                  self.schedulers, self.step)
         mlflow_run = self.tracker.run_id if self.tracker is not None else None
+        crash_point("checkpoint.commit")
         self.store.commit_step(self.run_id, self.step, consumed, str(folder), mlflow_run, metrics)
         if self.tracker is not None:
             self.tracker.log_step(self.step, metrics)

@@ -42,6 +42,7 @@ from typing import Any
 
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.engines.base import SamplingParams, SegmentRequest
+from marsrl_core.faults import crash_point
 from marsrl_core.problems import Problem
 from marsrl_core.rewards import Judgement, judge
 from marsrl_core.roles import CORRECTOR, SOLVER, VERIFIER, WRONG, Roles, parse_bug_report
@@ -263,6 +264,7 @@ class RolloutScheduler:
             if not state.done:
                 created += self._advance(state, rejected, rewards)
         report.new_samples = len(created)
+        crash_point("rollout.append")
         self.store.append(self.run_id, [self._sample_row(s) for s in created], segments, rewards)
         if rejected:
             self.store.reject_many(self.run_id, rejected)

@@ -25,7 +25,7 @@ from marsrl_core.config import MarsRLConfig
 from marsrl_core.roles import Roles
 from marsrl_core.synthetic import demonstrations, make_problems
 
-SFT_VERSION = 2  # bump when the demonstrations change, to invalidate caches
+SFT_VERSION = 3  # bump when the demonstrations change, to invalidate caches
 
 
 def _key(cfg: MarsRLConfig, steps: int) -> str:

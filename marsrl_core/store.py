@@ -311,6 +311,18 @@ class SegmentStore:
                           "metrics_json": [json.dumps(metrics)]}, schema=ARROW_SCHEMAS["evaluations"])
         self._transaction(lambda c: self._insert(c, "evaluations", batch))
 
+    def evaluation(self, run_id: str, label: str) -> dict[str, Any] | None:
+        """The metrics of the run's last evaluation with `label`, or None if it has none."""
+        rows = self._read(f"SELECT metrics_json FROM {CATALOG}.evaluations WHERE run_id = ? AND label = ?",
+                          [run_id, label]).column("metrics_json").to_pylist()
+        return json.loads(rows[-1]) if rows else None
+
+    def run_config(self, run_id: str) -> dict[str, Any] | None:
+        """The config a run was started with (as recorded by `create_run`), or None for an unknown run."""
+        rows = self._read(f"SELECT config_json FROM {CATALOG}.runs WHERE run_id = ?", [run_id]).column(
+            "config_json").to_pylist()
+        return json.loads(rows[0]) if rows else None
+
     def mark(self, run_id: str, event: str, detail: str = "") -> None:
         """Record a run event (e.g. 'rollouts_finished'), visible to every process."""
         batch = pa.table({"run_id": [run_id], "event": [event], "detail": [detail]}, schema=ARROW_SCHEMAS["run_events"])

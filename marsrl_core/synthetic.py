@@ -81,7 +81,13 @@ def noisy_steps(prompt: str, rng: random.Random, step_error: float) -> list[tupl
 
 
 def verifier_report(solution: str, prompt: str) -> str:
-    """Per-step marks (each step checked locally), then the verdict: `ok;ok;no;Correctness: Wrong`."""
+    """Each step checked locally, then the verdict: `7+5=2>2 ok;2+9=3>1 no;Correctness: Wrong`.
+
+    Per step the Verifier copies the step `a+b=c`, recomputes `>(a+b) mod 10` itself, and marks it `ok`
+    or `no`; the check is then a comparison of two adjacent digits, which a tiny model learns (a bare
+    verdict, or a whole re-solution before it, stayed at chance in a prototype). The marks also check
+    that a step continues the previous total and uses the right term, so the verdict is the truth.
+    """
     steps = parse_steps(solution)
     if steps is None:
         return "bad;Correctness: Wrong"
@@ -89,7 +95,7 @@ def verifier_report(solution: str, prompt: str) -> str:
     marks, total, fine = [], terms[0], len(steps) == len(terms) - 1
     for (a, b, c), term in zip(steps, terms[1:]):
         good = a == total and b == term and c == (a + b) % 10
-        marks.append("ok" if good else "no")
+        marks.append(f"{a}+{b}={c}>{(a + b) % 10} {'ok' if good else 'no'}")
         fine &= good
         total = c
     answer = solution.rsplit("Answer:", 1)[-1].strip()

@@ -199,6 +199,20 @@ def evaluate(cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None 
     return report.as_dict()
 
 
+def resumed_config(cfg: MarsRLConfig, run_id: str) -> MarsRLConfig:
+    """The config a run was started with, read from the store that `cfg` points at (for --resume)."""
+    from marsrl_core.config import ConfigError, build_config
+
+    stored = store_for(cfg).run_config(run_id)
+    if stored is None:
+        raise ConfigError(f"--resume {run_id!r}: no such run in the store {cfg.store.catalog_url!r}")
+    return build_config(stored)
+
+
+def batch_done_event(batch_index: int) -> str:
+    return f"batch_done:{batch_index}"
+
+
 def start_run(cfg: MarsRLConfig, run_id: str) -> None:
     """Record a new run (idempotent: a resumed run keeps its row)."""
     store = store_for(cfg)

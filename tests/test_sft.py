@@ -11,8 +11,10 @@ from marsrl_core.synthetic import (correct_solution, demonstrations, make_proble
 
 
 def test_verifier_reports_mark_each_step_and_the_verdict():
-    assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 4", "7+5+9+3") == "ok;ok;ok;Correctness: Correct"
-    assert verifier_report("7+5=2;2+9=2;2+3=5;Answer: 5", "7+5+9+3") == "ok;no;ok;Correctness: Wrong"
+    assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 4", "7+5+9+3") == (
+        "7+5=2>2 ok;2+9=1>1 ok;1+3=4>4 ok;Correctness: Correct")
+    assert verifier_report("7+5=2;2+9=2;2+3=5;Answer: 5", "7+5+9+3") == (
+        "7+5=2>2 ok;2+9=2>1 no;2+3=5>5 ok;Correctness: Wrong")
     assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 5", "7+5+9+3").endswith("Wrong")  # answer not the last total
     assert verifier_report("7+5=", "7+5+9+3") == "bad;Correctness: Wrong"
     assert parse_steps(correct_solution("1+2+3")) == [(1, 2, 3), (3, 3, 6)]

@@ -1,0 +1,126 @@
+"""`marsrl train` killed with SIGKILL again and again, each time resumed with `--resume`.
+
+A seeded schedule of 12 kills lands across rollout, training and checkpoint writing: at crash points
+(`marsrl_core.faults`: after a rollout stage decoded but before its store append, after an optimizer
+update, half-way through a checkpoint, between a checkpoint's rename and its store commit, each at a
+random arrival) and at random times. Every kill must land (the process dies of SIGKILL). After every kill the store is read from this process; at the end the run must hold
+every segment seen after any kill, no sample consumed by two committed steps, a loadable checkpoint
+for every committed version, and exactly the step budget.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marsrl_core.checkpoint import load_checkpoint
+from marsrl_core.store import SegmentStore
+
+MAX_STEPS = 12
+KILLS = 12
+
+
+def _config(tmp_path: Path) -> Path:
+    config = {
+        "store": {"catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "data_path": f"{tmp_path}/data"},
+        "output_dir": f"{tmp_path}/out", "tracking": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+        "rollout": {"num_generations": 4, "downstream_generations": 2, "problems_per_batch": 2, "segment_tokens": 8,
+                    "solver_max_tokens": 24, "verifier_max_tokens": 16, "corrector_max_tokens": 24, "max_turns": 3},
+        "data": {"num_batches": 16},
+        "learner": {"groups_per_step": 4, "max_steps": MAX_STEPS, "learning_rate": 1e-3, "warmup_steps": 0},
+        "evaluation": {"num_problems": 2, "k": 1, "max_rounds": 1},
+    }
+    path = tmp_path / "crash.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+ROLLOUT_POINTS, LEARNER_POINTS = ("rollout.append",), ("learner.update", "checkpoint.write", "checkpoint.commit")
+KINDS = [*ROLLOUT_POINTS, *LEARNER_POINTS, "timer"]
+
+
+def _next_kill(rng: random.Random, landed: list[str], rollouts_finished: bool) -> tuple[str, float]:
+    """(crash point, n-th arrival) or ("timer", seconds): each kind in turn at first (so every phase is
+    hit), then drawn at random; once the rollouts have finished only the learner's points remain."""
+    kinds = [k for k in KINDS if not (rollouts_finished and k in ROLLOUT_POINTS)]
+    unhit = [k for k in kinds if k not in landed]
+    kind = unhit[0] if unhit else rng.choice(kinds)
+    if kind == "timer":
+        return kind, rng.uniform(5.0, 12.0)  # an uninterrupted run takes ~45 s here, ~8 s of it start-up
+    return kind, rng.randint(1, 6) if kind in ROLLOUT_POINTS else rng.randint(1, 2)
+
+
+def _stored(store_paths: tuple[str, str]) -> tuple[bool, bool, set[tuple[str, int]]]:
+    """(whether the run is recorded, whether its rollouts finished, its segments), read from this process."""
+    if not Path(store_paths[0].removeprefix("sqlite:")).exists():
+        return False, False, set()
+    store = SegmentStore(*store_paths, create=False)
+    try:
+        rows = store.query("SELECT sample_id, segment_index FROM segments").to_pylist()
+        return (store.run_config("crashy") is not None, store.has_event("crashy", "rollouts_finished"),
+                {(r["sample_id"], r["segment_index"]) for r in rows})
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
+    path = _config(tmp_path)
+    store_paths = (f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / "prefect")}
+    marsrl = [sys.executable, "-m", "flows.cli", "train", "--config", str(path)]
+    seen: set[tuple[str, int]] = set()
+    rng, landed = random.Random(7), []
+    started = rollouts_finished = False
+    while len(landed) < KILLS:
+        point, when = _next_kill(rng, landed, rollouts_finished)
+        command = [*marsrl, "--resume", "crashy"] if started else [*marsrl, "--run-id", "crashy"]
+        run_env = env | ({} if point == "timer" else {"MARSRL_CRASH_AT": f"{point}:{int(when)}"})
+        process = subprocess.Popen(command, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True)
+        if point == "timer":
+            time.sleep(when)
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=600)
+        try:  # what the killed process left behind (a child keeps its stdout open)
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = process.communicate(timeout=60)
+        assert process.returncode == -signal.SIGKILL, f"kill {len(landed)} at {point}:{when} did not land:\n{out[-3000:]}"
+        landed.append(point)
+        started, rollouts_finished, now = _stored(store_paths)  # a kill before the run was recorded: start anew
+        assert seen <= now, f"segments lost after the kill at {point}"
+        seen = now
+    assert set(landed) == set(KINDS)
+
+    final = subprocess.run([*marsrl, "--resume", "crashy"], env=env, capture_output=True, text=True, timeout=900)
+    assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
+
+    assert seen <= _stored(store_paths)[2]
+    store = SegmentStore(*store_paths, create=False)
+    twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
+    assert twice.column("n")[0].as_py() == 0
+    versions = store.query("SELECT version, checkpoint_uri FROM policy_versions WHERE run_id = 'crashy' "
+                           "ORDER BY version").to_pylist()
+    assert [v["version"] for v in versions] == list(range(1, MAX_STEPS + 1))
+    steps = store.query("SELECT count(DISTINCT step) AS n FROM train_steps WHERE run_id = 'crashy'")
+    assert steps.column("n")[0].as_py() == MAX_STEPS
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for row in versions:
+        model = AutoModelForCausalLM.from_pretrained(Path(row["checkpoint_uri"]) / "policy")
+        optimizer = torch.optim.AdamW(model.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        step = load_checkpoint(Path(row["checkpoint_uri"]), {"policy": model}, {"policy": optimizer}, {"policy": scheduler})
+        assert step == row["version"]
+    assert "resuming run crashy" in final.stdout
