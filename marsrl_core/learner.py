@@ -55,9 +55,9 @@ class StepReport:
 
 
 def _load_model(folder: Path, cfg: MarsRLConfig):
-    from transformers import AutoModelForCausalLM
+    from marsrl_core.engines.hf import load_model_folder
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, cfg.model.dtype), use_safetensors=True)
+    model = load_model_folder(folder, cfg.model.dtype)
     if cfg.learner.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

@@ -118,7 +118,8 @@ def view_ddl(catalog: str) -> list[str]:
     return [
         f"""CREATE VIEW IF NOT EXISTS {c}.rewards_per_agent AS
             SELECT s.run_id, s.agent, date_trunc('minute', r.created_at) AS minute,
-                   avg(r.reward) AS mean_reward, count(*) AS samples
+                   avg(r.reward) AS mean_reward, count(*) AS samples,
+                   count(*) FILTER (WHERE r.outcome IN ('no_answer', 'no_verdict')) AS unparsable
             FROM {c}.rewards r JOIN {c}.samples s USING (run_id, sample_id)
             GROUP BY ALL ORDER BY minute""",
         f"""CREATE VIEW IF NOT EXISTS {c}.pipeline_latency AS

@@ -28,6 +28,20 @@ from safetensors.torch import load_file
 from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, SegmentResult
 
 
+def load_model_folder(path: str | Path, dtype: str = "float32"):
+    """A causal LM from a Hugging Face folder, from safetensors only; EngineError names what is wrong."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise EngineError(f"model folder {str(path)!r}: not found or has no config.json")
+    load_safetensors_state(path)  # refuses pickle-only folders, names a cut-short file
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
+    except Exception as err:
+        raise EngineError(f"model folder {str(path)!r}: cannot be loaded ({err})") from None
+
+
 def load_safetensors_state(folder: str | Path) -> dict[str, torch.Tensor]:
     """The state dict of a Hugging Face checkpoint folder, from its safetensors files only."""
     folder = Path(folder)
@@ -73,11 +87,11 @@ class HFEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise EngineError(f"model folder {str(path)!r}: not found or has no config.json")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
-        return cls(model, tokenizer, **kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as err:
+            raise EngineError(f"model folder {str(path)!r}: tokenizer cannot be loaded ({err})") from None
+        return cls(load_model_folder(path, dtype), tokenizer, **kwargs)
 
     @property
     def device(self) -> torch.device:
