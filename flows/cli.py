@@ -2,7 +2,9 @@
 
 - `marsrl train`: the main job (`make train`): the train flow (rollout and learner flows
   concurrently, evaluation before and after), then the before/after table. `--resume RUN`
-  continues a killed run.
+  continues a killed run; the figures go to benchmarks/results/train.json.
+- `marsrl sft`: the SFT warm start alone (the train flow runs it first when `sft.enabled`).
+- `marsrl ablate [variants]`: the ablations, each a train run from the same seed and budgets.
 - `marsrl rollout --run-id R --batches 0 1 ...`: rollout flows only (one process of a split run).
 - `marsrl learn --run-id R`: the learner flow only (the other process of a split run).
 - `marsrl serve`: serve every deployment (schedules included) for the Prefect UI.
@@ -11,27 +13,83 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from marsrl_core import cli as core_cli
-from marsrl_core.jobs import print_report
+from marsrl_core.config import ConfigError
+from marsrl_core.jobs import print_report, train_summary
+
+STOP_REQUESTED = "stop_requested"  # run event: `marsrl rollout` stops before its next batch
+STORE_LOCK_RETRIES = "store_lock_retries"  # run event written when a split-run process ends: "<process>:<n>"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.train import train_flow
-
     from marsrl_core import workers
 
     cfg = core_cli._config(args)
     if args.resume:
         cfg = workers.resumed_config(cfg, args.resume)  # the stored config, so the run continues as it began
         core_cli.console.print(f"resuming run [bold]{args.resume}[/bold]")
+    start = time.perf_counter()
     result = train_flow(cfg, args.resume or args.run_id)
     reports = {label: result[label] for label in ("before", "after") if label in result}
     core_cli.console.print(f"run [bold]{result['run_id']}[/bold]: {result['learner_steps']} learner steps")
     if reports:
         print_report(core_cli.console, reports)
+    summary = train_summary(result, cfg.seed, time.perf_counter() - start)
+    if args.results:
+        _write_json(Path(args.results), summary)
+        core_cli.console.print(f"figures written to {args.results}")
+    return 0
+
+
+# The ablations of `marsrl ablate`: each changes one thing from MarsRL as configured.
+ABLATIONS = {
+    "marsrl": [],
+    "shared_reward": ["rollout.reward_mode=shared"],
+    "synchronous": ["rollout.synchronous=true"],
+    "random_selection": ["rollout.selection=random"],
+    "per_agent_policies": ["learner.policies=per_agent"],
+}
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from flows.train import train_flow
+    from marsrl_core.config import load_config
+
+    figures: dict[str, dict] = {}
+    reports: dict[str, dict] = {}
+    for name in args.variants or list(ABLATIONS):
+        if name not in ABLATIONS:
+            raise ConfigError(f"ablation {name!r}: unknown; choose from {sorted(ABLATIONS)}")
+        cfg = load_config(args.preset, args.config_file, [*args.overrides, *ABLATIONS[name], f"run_name=ablate-{name}"])
+        core_cli.console.rule(f"ablation: {name}")
+        start = time.perf_counter()
+        result = train_flow(cfg)
+        figures[name] = train_summary(result, cfg.seed, time.perf_counter() - start)
+        if "before" in result and not reports:
+            reports["start"] = result["before"]  # the same starting policy for every variant
+        reports[name] = result.get("after") or result["before"]
+    print_report(core_cli.console, reports)
+    _write_json(Path(args.results), figures)
+    core_cli.console.print(f"figures written to {args.results}")
+    return 0
+
+
+def _write_json(path: Path, figures: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2))
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from flows.sft import sft_flow
+
+    core_cli.console.print(f"warm start: {sft_flow(core_cli._config(args))}")
     return 0
 
 
@@ -43,16 +101,25 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     cfg = core_cli._config(args)
     workers.start_run(cfg, args.run_id)
     for batch in args.batches or range(cfg.data.num_batches):
+        if workers.store_for(cfg).has_event(args.run_id, STOP_REQUESTED):
+            break
         rollout_flow(cfg, args.run_id, batch)
+    store = workers.store_for(cfg)
     if args.finish:
-        workers.store_for(cfg).mark(args.run_id, ROLLOUTS_FINISHED)
+        store.mark(args.run_id, ROLLOUTS_FINISHED)
+    store.mark(args.run_id, STORE_LOCK_RETRIES, f"rollout:{store.lock_retries}")
     return 0
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
     from flows.learner import learner_flow
 
-    steps = learner_flow(core_cli._config(args), args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
+    from marsrl_core import workers
+
+    cfg = core_cli._config(args)
+    steps = learner_flow(cfg, args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
+    store = workers.store_for(cfg)
+    store.mark(args.run_id, STORE_LOCK_RETRIES, f"learner:{store.lock_retries}")
     core_cli.console.print(f"learner stopped after step {steps}")
     return 0
 
@@ -74,6 +141,13 @@ def _train_setup(parser: argparse.ArgumentParser) -> None:
     _run_id(False)(parser)
     parser.add_argument("--resume", metavar="RUN", default=None,
                         help="Continue a killed run with its stored config (the store located by --config/--set).")
+    parser.add_argument("--results", default="benchmarks/results/train.json",
+                        help="Where to write the run's figures as JSON ('' for nowhere).")
+
+
+def _ablate_setup(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("variants", nargs="*", help=f"Ablations to run (default all): {', '.join(ABLATIONS)}.")
+    parser.add_argument("--results", default="benchmarks/results/ablations.json", help="Where to write the figures.")
 
 
 def _rollout_setup(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +170,9 @@ def _serve_setup(parser: argparse.ArgumentParser) -> None:
 COMMANDS = {
     "train": (cmd_train, "Run the main job: MarsRL training with evaluation before and after (make train).",
               _train_setup),
+    "ablate": (cmd_ablate, "Train each ablation (same seed and budgets) and compare: shared reward, synchronous, "
+               "random selection, per-agent policies.", _ablate_setup),
+    "sft": (cmd_sft, "Warm-start the policy with SFT on synthetic demonstrations (cached by config).", None),
     "rollout": (cmd_rollout, "Run rollout flows for a run (one side of a split rollout/learner run).", _rollout_setup),
     "learn": (cmd_learn, "Run the learner flow for a run (the other side of a split run).", _learn_setup),
     "serve": (cmd_serve, "Serve the flows as Prefect deployments (with schedules) for the UI.", _serve_setup),

@@ -1,4 +1,5 @@
-"""The sft flow: warm-start the policy on demonstrations for all three roles (cached by config)."""
+"""The sft flow: warm-start the policy on demonstrations for all three roles (cached by config,
+so a second run with the same `model`, `roles`, `data`, `sft` and `seed` returns at once)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ from tasks.sft import warm_start
 
 
 @flow(name="sft", log_prints=True)
-def sft_flow(config: MarsRLConfig = default_config(), steps: int = 3000, batch_size: int = 64,
-             learning_rate: float = 3e-3, num_problems: int = 4000) -> str:
-    folder = warm_start(config, steps, batch_size, learning_rate, num_problems)
+def sft_flow(config: MarsRLConfig = default_config()) -> str:
+    folder = warm_start(config)
     print(f"warm start: {folder}")
     return folder

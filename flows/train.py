@@ -1,5 +1,8 @@
 """The train flow: rollout flows (one per problem batch, `batches_in_flight` at a time) and the
 learner flow run concurrently, meeting only through the store; then an evaluation of the result.
+With `sft.enabled` (the tiny preset) the policy is first warm-started by the sft flow (cached).
+With `rollout.synchronous` (the ablation baseline) batches are decoded whole, one at a time, and the
+learner trains on each batch before the next one starts. The per-agent reward curves go to MLflow.
 
 Run again with the same `run_id` (`marsrl train --resume RUN`), it continues a killed run: an
 evaluation already recorded is not repeated, finished batches are skipped, an unfinished batch resumes
@@ -7,6 +10,7 @@ from its stored samples, and the learner from its last committed version."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from prefect import flow, task
@@ -16,6 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.evaluate import evaluate_flow
 from flows.learner import ROLLOUTS_FINISHED, learner_flow
 from flows.rollout import rollout_flow
+from flows.sft import sft_flow
 from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
 
@@ -33,22 +38,34 @@ def _learner(config: MarsRLConfig, run_id: str) -> int:
 @flow(name="train", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
 def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = None,
                evaluate_before: bool = True, evaluate_after: bool = True) -> dict:
+    if config.sft.enabled and config.model.path is None:  # warm start first (cached); a resumed run has its path
+        config = config.model_copy(update={"model": config.model.model_copy(update={"path": sft_flow(config)})})
     run_id = run_id or f"{config.run_name}-{uuid.uuid4().hex[:8]}"
     workers.start_run(config, run_id)
     store = workers.store_for(config)
     result: dict = {"run_id": run_id}
     if evaluate_before:
         result["before"] = store.evaluation(run_id, "before") or evaluate_flow(config, run_id, "before")
-    learner = _learner.submit(config, run_id)
+    start = time.perf_counter()
     pending = [b for b in range(config.data.num_batches) if not store.has_event(run_id, workers.batch_done_event(b))]
-    running = []
-    while pending or running:
-        while pending and len(running) < config.rollout.batches_in_flight:
-            running.append(_rollout.submit(config, run_id, pending.pop(0)))
-        running.pop(0).result()
-    if not store.has_event(run_id, ROLLOUTS_FINISHED):
+    if config.rollout.synchronous:  # the baseline: whole batches decoded, then trained on, in turn
+        for batch in pending:
+            rollout_flow(config, run_id, batch)
+            learner_flow(config, run_id, idle_timeout_s=0.0)
         store.mark(run_id, ROLLOUTS_FINISHED)
-    result["learner_steps"] = steps = learner.result()
+        result["learner_steps"] = steps = learner_flow(config, run_id)
+    else:
+        learner = _learner.submit(config, run_id)
+        running = []
+        while pending or running:
+            while pending and len(running) < config.rollout.batches_in_flight:
+                running.append(_rollout.submit(config, run_id, pending.pop(0)))
+            running.pop(0).result()
+        if not store.has_event(run_id, ROLLOUTS_FINISHED):
+            store.mark(run_id, ROLLOUTS_FINISHED)
+        result["learner_steps"] = steps = learner.result()
+    result["train_wall_clock_s"] = time.perf_counter() - start
+    workers.log_reward_curves(config, run_id)
     if evaluate_after and steps:
         latest = store.latest_version(run_id)
         result["after"] = store.evaluation(run_id, "after") or evaluate_flow(config, run_id, "after", latest[1])

@@ -146,6 +146,22 @@ class RolesConfig(_Section):
     corrector: str | None = Field(None, description="Corrector template override; fields {problem}, {solution}, {report}.")
 
 
+class SFTConfig(_Section):
+    enabled: bool = Field(
+        False, description="Warm-start the policy by supervised fine-tuning on synthetic demonstrations of all three "
+        "roles before RL (the tiny preset turns it on; it applies when model.path is unset)."
+    )
+    max_steps: int = Field(3000, ge=1, description="SFT optimizer steps.")
+    per_device_train_batch_size: int = Field(64, ge=1, description="Demonstrations per SFT step.")
+    learning_rate: float = Field(1e-3, gt=0, description="SFT AdamW learning rate (constant after a 5% warm-up; 3e-3 stalled the Solver at ~10%).")
+    num_problems: int = Field(4000, ge=1, description="Synthetic problems the demonstrations are made from (3 each).")
+    solver_error: float = Field(0.15, ge=0, le=1, description="Solver demonstrations: chance that each step is wrong.")
+    verdict_flip: float = Field(0.1, ge=0, le=1, description="Verifier demonstrations: chance that the verdict is flipped.")
+    repair_failure: float = Field(
+        0.2, ge=0, le=1, description="Corrector demonstrations: chance that the wrong solution is copied unrepaired."
+    )
+
+
 class EvaluationConfig(_Section):
     k: int = Field(4, ge=1, description="Samples (and V-C workers) per problem: accuracies are avg@k.")
     num_problems: int = Field(64, ge=1, description="Held-out problems evaluated (the first N of the dataset).")
@@ -186,6 +202,7 @@ class MarsRLConfig(_Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The RL learner.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training problems.")
     roles: RolesConfig = Field(default_factory=RolesConfig, description="Prompt templates of the three agents.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="The supervised warm start before RL.")
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation and the V-C loop.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="The DuckLake segment store.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
@@ -215,7 +232,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "preset": "tiny",
         "roles": {"templates": "tiny"},
-        "evaluation": {"max_rounds": 4, "accept_after": 2, "num_problems": 32},
+        "sft": {"enabled": True, "max_steps": 1000},
+        "evaluation": {"max_rounds": 4, "accept_after": 2, "num_problems": 512, "k": 2},
+        "data": {"num_batches": 12},
         "rollout": {
             "num_generations": 8,
             "downstream_generations": 4,

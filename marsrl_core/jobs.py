@@ -2,7 +2,8 @@
 
 - `evaluate_policy`: Solver, Verifier, Corrector and V-C metrics of a policy on a dataset (or on
   held-out synthetic problems), recorded in the store's `evaluations` table;
-- `print_report`: the before/after table.
+- `print_report`: the before/after table;
+- `train_summary`: a training run's figures under the keys of `benchmarks/results/train.json`.
 """
 
 from __future__ import annotations
@@ -83,3 +84,19 @@ def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: 
     metrics = report.as_dict() | {"wall_clock_s": time.perf_counter() - start}
     store.record_evaluation(run_id, label, ev.dataset or "synthetic-heldout", metrics)
     return report
+
+
+def train_summary(result: dict, seed: int, wall_clock_s: float) -> dict[str, float | int]:
+    """The train.json figures of a train-flow result (accuracies as fractions; NaN where not measured)."""
+    before, after = result.get("before") or {}, result.get("after") or {}
+    nan = math.nan
+    return {
+        "solver_acc_before": before.get("solver_acc", nan), "solver_acc_after": after.get("solver_acc", nan),
+        "verifier_bal_acc_before": before.get("verifier_bal_acc", nan),
+        "verifier_bal_acc_after": after.get("verifier_bal_acc", nan),
+        "verifier_wrong_caught_after": after.get("verifier_recall", nan),
+        "corrector_fix_before": before.get("corrector_fix", nan), "corrector_fix_after": after.get("corrector_fix", nan),
+        "corrector_break_after": after.get("corrector_break", nan),
+        "vc_acc_before": before.get("vc_acc", nan), "vc_acc_after": after.get("vc_acc", nan),
+        "wall_clock_s": wall_clock_s, "learner_steps": int(result.get("learner_steps", 0)), "seed": seed,
+    }

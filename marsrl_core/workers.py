@@ -199,6 +199,17 @@ def evaluate(cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None 
     return report.as_dict()
 
 
+def log_reward_curves(cfg: MarsRLConfig, run_id: str) -> None:
+    """Plot the run's per-agent reward curves and log the PNG to its MLflow run."""
+    from matplotlib import pyplot as plt
+
+    from marsrl_core.plots import reward_curves
+
+    figure = reward_curves(store_for(cfg), run_id)
+    tracker_for(cfg, run_id).log_figure(figure, "reward_curves.png")
+    plt.close(figure)
+
+
 def resumed_config(cfg: MarsRLConfig, run_id: str) -> MarsRLConfig:
     """The config a run was started with, read from the store that `cfg` points at (for --resume)."""
     from marsrl_core.config import ConfigError, build_config

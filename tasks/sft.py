@@ -10,6 +10,9 @@ from marsrl_core.config import MarsRLConfig
 
 
 @task(name="sft-warm-start", cache_policy=NO_CACHE)
-def warm_start(config: MarsRLConfig, steps: int, batch_size: int, learning_rate: float, num_problems: int) -> str:
-    return str(sft.warm_start(config, steps=steps, batch_size=batch_size, learning_rate=learning_rate,
-                              num_problems=num_problems))
+def warm_start(config: MarsRLConfig) -> str:
+    def progress(step: int, loss: float) -> None:
+        if step % 250 == 0 or step == config.sft.max_steps - 1:
+            print(f"sft step {step + 1}/{config.sft.max_steps}: loss {loss:.3f}")
+
+    return str(sft.warm_start(config, progress=progress))

@@ -14,5 +14,5 @@ def small_config(tmp_path, **extra) -> MarsRLConfig:
         "rollout.segment_tokens": 8, "rollout.solver_max_tokens": 16, "rollout.verifier_max_tokens": 16,
         "rollout.corrector_max_tokens": 16, "rollout.max_turns": 3, "data.num_batches": 2,
         "learner.groups_per_step": 1, "learner.max_steps": 2, "evaluation.num_problems": 2, "evaluation.k": 1,
-        "evaluation.max_rounds": 1, **extra}
+        "evaluation.max_rounds": 1, "sft.enabled": False, **extra}
     return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()])

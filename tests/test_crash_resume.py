@@ -37,6 +37,7 @@ def _config(tmp_path: Path) -> Path:
         "data": {"num_batches": 16},
         "learner": {"groups_per_step": 4, "max_steps": MAX_STEPS, "learning_rate": 1e-3, "warmup_steps": 0},
         "evaluation": {"num_problems": 2, "k": 1, "max_rounds": 1},
+        "sft": {"enabled": False},
     }
     path = tmp_path / "crash.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -75,10 +75,10 @@ def test_sft_flow_warm_starts_and_reuses_the_cache(tmp_path):
 
     from flows.sft import sft_flow
 
-    cfg = small_config(tmp_path)
-    folder = Path(sft_flow(cfg, steps=5, batch_size=4, num_problems=10))
+    cfg = small_config(tmp_path, **{"sft.max_steps": 5, "sft.per_device_train_batch_size": 4, "sft.num_problems": 10})
+    folder = Path(sft_flow(cfg))
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
-    assert Path(sft_flow(cfg, steps=5, batch_size=4, num_problems=10)) == folder
+    assert Path(sft_flow(cfg)) == folder
 
 
 def test_training_dataset_batches_skip_and_record_bad_rows(tmp_path):
@@ -94,3 +94,34 @@ def test_training_dataset_batches_skip_and_record_bad_rows(tmp_path):
     store = SegmentStore.from_config(cfg.store)
     rows = store.query("SELECT location, reason FROM rejected_inputs WHERE run_id = 'ds'").to_pylist()
     assert rows == [{"location": "line 2", "reason": "missing field(s) 'ans_box'"}]
+
+
+def test_marsrl_ablate_runs_each_variant_and_writes_train_json_keys(tmp_path, capsys):
+    import json
+
+    from flows.cli import main
+    from marsrl_core.config import config_to_yaml
+    from marsrl_core.store import SegmentStore
+
+    cfg = small_config(tmp_path, **{"rollout.max_turns": 2, "data.num_batches": 2, "learner.max_steps": 2})
+    path = tmp_path / "small.yaml"
+    path.write_text(config_to_yaml(cfg))
+    results = tmp_path / "ablations.json"
+    assert main(["ablate", "marsrl", "synchronous", "--config", str(path), "--results", str(results)]) == 0
+    figures = json.loads(results.read_text())
+    assert set(figures) == {"marsrl", "synchronous"}
+    keys = {"solver_acc_before", "solver_acc_after", "verifier_bal_acc_before", "verifier_bal_acc_after",
+            "verifier_wrong_caught_after", "corrector_fix_before", "corrector_fix_after", "corrector_break_after",
+            "vc_acc_before", "vc_acc_after", "wall_clock_s", "learner_steps", "seed"}
+    assert all(set(f) == keys and f["learner_steps"] == 2 for f in figures.values())
+    out = capsys.readouterr().out
+    assert "synchronous" in out and "Solver accuracy" in out
+    # The synchronous baseline trains only once a whole batch has been decoded.
+    store = SegmentStore.from_config(cfg.store)
+    runs = store.query("SELECT run_id, max(version) AS v FROM policy_versions GROUP BY 1").to_pylist()
+    assert sorted(r["v"] for r in runs) == [2, 2]
+    sync = next(r["run_id"] for r in runs if "synchronous" in r["run_id"])
+    first_step = store.query("SELECT min(created_at) AS t FROM policy_versions WHERE run_id = ?", [sync]).column("t")[0]
+    batch_done = store.query("SELECT min(created_at) AS t FROM run_events WHERE run_id = ? AND event = 'batch_done:0'",
+                             [sync]).column("t")[0]
+    assert batch_done.as_py() <= first_step.as_py()

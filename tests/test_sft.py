@@ -67,9 +67,22 @@ def test_sft_learns_a_small_task_and_warm_starts_are_cached(tmp_path):
     assert before == 0.0 and after >= 0.8, (before, after)
     assert losses[-1] < losses[0] / 4
 
-    first = warm_start(cfg, steps=3, batch_size=4, num_problems=20)
+    cfg = load_config("tiny", None, [f"output_dir={tmp_path}/out", "sft.max_steps=3",
+                                     "sft.per_device_train_batch_size=4", "sft.num_problems=20"])
+    first = warm_start(cfg)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    again = warm_start(cfg, steps=3, batch_size=4, num_problems=20)
+    again = warm_start(cfg)
     assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not retrained
-    other = warm_start(cfg.model_copy(update={"seed": 1}), steps=3, batch_size=4, num_problems=20)
+    other = warm_start(cfg.model_copy(update={"seed": 1}))
     assert other != first  # a different config gets its own warm start
+
+
+def test_the_committed_warm_start_is_the_tiny_presets():
+    """`make train` on a fresh machine skips the SFT only if the committed folder's key matches the preset
+    (changing the model, roles, task, SFT settings or demonstrations needs `marsrl sft --set
+    output_dir=demo/warm-starts` again)."""
+    from marsrl_core.sft import COMMITTED, _key
+
+    folder = COMMITTED / f"warm-start-{_key(load_config('tiny'))}"
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert (folder / "model.safetensors").stat().st_size < 5 * 2**20

@@ -87,6 +87,8 @@ class HFEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
+        if not (path / "config.json").is_file():
+            raise EngineError(f"model folder {str(path)!r}: not found or has no config.json")
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as err:

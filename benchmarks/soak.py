@@ -1,0 +1,121 @@
+"""Soak run (not in CI): rollout and learner as two `marsrl` processes on the tiny model for a while.
+
+The rollout process (`marsrl rollout`) decodes problem batches and the learner process (`marsrl learn`)
+trains on them; they meet only through the DuckLake store, as in a split deployment. Every 15 s the
+script samples the resident memory (RSS, the process and its children) of both. At the deadline it
+writes a `stop_requested` run event: the rollout stops before its next batch and marks the rollouts
+finished, the learner trains on what is left and stops; both record their store lock retries.
+
+Reports: store rows per table, policy versions, lock retries per process, RSS at the start (after
+the first learner step) and at the end with the growth in between (goal: flat), and any error.
+Writes benchmarks/results/soak.json with duration_s, rows, versions, lock_retries, rss_mb, errors.
+
+Run: `python benchmarks/soak.py --minutes 10`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from benchmarks.common import print_rows, write_results  # noqa: E402
+from flows.cli import STOP_REQUESTED, STORE_LOCK_RETRIES  # noqa: E402
+from marsrl_core.store import SegmentStore  # noqa: E402
+
+RUN = "soak"
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        process = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / 2**20
+    except psutil.NoSuchProcess:
+        return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="marsrl-soak-"))
+    config = {
+        "store": {"catalog_url": f"sqlite:{work}/lake.sqlite", "data_path": f"{work}/data"},
+        "output_dir": f"{work}/out", "tracking": {"mlflow_tracking_uri": f"sqlite:///{work}/mlflow.db"},
+        "rollout": {"problems_per_batch": 8, "segment_tokens": 32},
+        "data": {"num_batches": 100_000},
+        "learner": {"groups_per_step": 4, "max_steps": 1_000_000},
+    }
+    (work / "soak.yaml").write_text(yaml.safe_dump(config))
+    base = [sys.executable, "-m", "flows.cli"]
+    common = ["--config", str(work / "soak.yaml"), "--run-id", RUN]
+
+    def env(name: str) -> dict:
+        return {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(work / f"prefect-{name}")}
+
+    logs = {name: open(work / f"{name}.log", "w") for name in ("rollout", "learner")}
+    rollout = subprocess.Popen([*base, "rollout", *common, "--finish"], stdout=logs["rollout"],
+                               stderr=subprocess.STDOUT, env=env("rollout"))
+    learner = subprocess.Popen([*base, "learn", *common, "--idle-timeout", "600"], stdout=logs["learner"],
+                               stderr=subprocess.STDOUT, env=env("learner"))
+    processes = {"rollout": rollout, "learner": learner}
+    store = None
+    start, deadline = time.monotonic(), time.monotonic() + args.minutes * 60
+    samples: list[tuple[float, float, float]] = []
+    first_step_at = None
+    while time.monotonic() < deadline and all(p.poll() is None for p in processes.values()):
+        time.sleep(15)
+        if store is None and (work / "lake.sqlite").exists():
+            store = SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"], create=False)
+        if first_step_at is None and store is not None and store.latest_version(RUN) is not None:
+            first_step_at = len(samples)
+        samples.append((time.monotonic() - start, rss_mb(rollout.pid), rss_mb(learner.pid)))
+        print(f"{samples[-1][0]:6.0f}s  rss rollout {samples[-1][1]:7.1f} MB  learner {samples[-1][2]:7.1f} MB", flush=True)
+    errors = [f"{name} exited early with status {p.returncode}" for name, p in processes.items() if p.poll() is not None]
+    store = store or SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"], create=False)
+    store.mark(RUN, STOP_REQUESTED)
+    for name, process in processes.items():
+        try:
+            process.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            errors.append(f"{name} did not stop within 900 s of the stop request")
+        if process.returncode:
+            errors.append(f"{name} exited with status {process.returncode}")
+    for name in processes:
+        logs[name].close()
+        text = (work / f"{name}.log").read_text(errors="replace")
+        if "Traceback" in text:
+            errors.append(f"{name}: traceback in {work / f'{name}.log'}")
+    duration = time.monotonic() - start
+    tables = ("problems", "samples", "segments", "rewards", "consumptions", "policy_versions", "train_steps")
+    rows = {t: store.count(t, RUN) for t in tables}
+    retries = {}
+    for row in store.query("SELECT detail FROM run_events WHERE run_id = ? AND event = ?",
+                           [RUN, STORE_LOCK_RETRIES]).to_pylist():
+        name, _, n = row["detail"].partition(":")
+        retries[name] = int(n)
+    steady = samples[first_step_at or 0:] or samples
+    rss = {name: {"start": steady[0][i], "end": steady[-1][i], "growth": steady[-1][i] - steady[0][i]}
+           for i, name in ((1, "rollout"), (2, "learner"))}
+    versions = store.latest_version(RUN)
+    figures = {"duration_s": duration, "rows": rows, "versions": versions[0] if versions else 0,
+               "lock_retries": retries, "rss_mb": rss, "errors": errors, "samples": samples}
+    print_rows("soak: store rows", ["table", "rows"], [[t, n] for t, n in rows.items()])
+    print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB", "lock retries"],
+               [[name, r["start"], r["end"], r["growth"], retries.get(name, "n/a")] for name, r in rss.items()])
+    print(f"duration {duration:.0f} s, policy versions {figures['versions']}, errors: {errors or 'none'}")
+    print(f"written to {write_results('soak', figures)}; logs in {work}")
+
+
+if __name__ == "__main__":
+    main()
