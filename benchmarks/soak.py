@@ -2,7 +2,8 @@
 
 The rollout process (`marsrl rollout`) decodes problem batches and the learner process (`marsrl learn`)
 trains on them; they meet only through the DuckLake store, as in a split deployment. Every 15 s the
-script samples the resident memory (RSS, the process and its children) of both. At the deadline it
+script samples the resident memory (RSS) of both, with and without their children (each runs
+Prefect's ephemeral API server as a child process). At the deadline it
 writes a `stop_requested` run event: the rollout stops before its next batch and marks the rollouts
 finished, the learner trains on what is left and stops; both record their store lock retries.
 
@@ -35,10 +36,12 @@ from marsrl_core.store import SegmentStore  # noqa: E402
 RUN = "soak"
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, children: bool = True) -> float:
+    """Resident memory of a process, with its children (Prefect's ephemeral API server) or without."""
     try:
         process = psutil.Process(pid)
-        return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / 2**20
+        family = [process, *process.children(recursive=True)] if children else [process]
+        return sum(p.memory_info().rss for p in family) / 2**20
     except psutil.NoSuchProcess:
         return float("nan")
 
@@ -78,8 +81,10 @@ def main() -> None:
             store = SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"], create=False)
         if first_step_at is None and store is not None and store.latest_version(RUN) is not None:
             first_step_at = len(samples)
-        samples.append((time.monotonic() - start, rss_mb(rollout.pid), rss_mb(learner.pid)))
-        print(f"{samples[-1][0]:6.0f}s  rss rollout {samples[-1][1]:7.1f} MB  learner {samples[-1][2]:7.1f} MB", flush=True)
+        samples.append((time.monotonic() - start, rss_mb(rollout.pid), rss_mb(learner.pid),
+                        rss_mb(rollout.pid, children=False), rss_mb(learner.pid, children=False)))
+        print(f"{samples[-1][0]:6.0f}s  rss rollout {samples[-1][1]:7.1f} MB ({samples[-1][3]:7.1f} without children)"
+              f"  learner {samples[-1][2]:7.1f} MB ({samples[-1][4]:7.1f})", flush=True)
     errors = [f"{name} exited early with status {p.returncode}" for name, p in processes.items() if p.poll() is not None]
     store = store or SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"], create=False)
     store.mark(RUN, STOP_REQUESTED)
@@ -106,13 +111,13 @@ def main() -> None:
         retries[name] = int(n)
     steady = samples[first_step_at or 0:] or samples
     rss = {name: {"start": steady[0][i], "end": steady[-1][i], "growth": steady[-1][i] - steady[0][i]}
-           for i, name in ((1, "rollout"), (2, "learner"))}
+           for i, name in ((1, "rollout"), (2, "learner"), (3, "rollout (no children)"), (4, "learner (no children)"))}
     versions = store.latest_version(RUN)
     figures = {"duration_s": duration, "rows": rows, "versions": versions[0] if versions else 0,
                "lock_retries": retries, "rss_mb": rss, "errors": errors, "samples": samples}
     print_rows("soak: store rows", ["table", "rows"], [[t, n] for t, n in rows.items()])
     print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB", "lock retries"],
-               [[name, r["start"], r["end"], r["growth"], retries.get(name, "n/a")] for name, r in rss.items()])
+               [[name, r["start"], r["end"], r["growth"], retries.get(name, "")] for name, r in rss.items()])
     print(f"duration {duration:.0f} s, policy versions {figures['versions']}, errors: {errors or 'none'}")
     print(f"written to {write_results('soak', figures)}; logs in {work}")
 
