@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, SegmentResult
@@ -35,21 +36,29 @@ def load_model_folder(path: str | Path, dtype: str = "float32"):
     path = Path(path)
     if not (path / "config.json").is_file():
         raise EngineError(f"model folder {str(path)!r}: not found or has no config.json")
-    load_safetensors_state(path)  # refuses pickle-only folders, names a cut-short file
+    for file in _safetensors_files(path):  # refuses pickle-only folders; a cut-short file fails its header check
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as err:
+            raise EngineError(f"checkpoint file {str(file)!r}: cannot be read ({err})") from None
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
     except Exception as err:
         raise EngineError(f"model folder {str(path)!r}: cannot be loaded ({err})") from None
 
 
-def load_safetensors_state(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The state dict of a Hugging Face checkpoint folder, from its safetensors files only."""
-    folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
+def _safetensors_files(folder: str | Path) -> list[Path]:
+    files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise EngineError(f"checkpoint {str(folder)!r}: no .safetensors files (pickle checkpoints are refused)")
+    return files
+
+
+def load_safetensors_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict of a Hugging Face checkpoint folder, from its safetensors files only."""
     state: dict[str, torch.Tensor] = {}
-    for path in files:
+    for path in _safetensors_files(folder):
         try:
             state.update(load_file(str(path)))
         except Exception as err:  # a truncated or corrupt file
@@ -84,16 +93,14 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "float32", **kwargs: Any) -> "HFEngine":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise EngineError(f"model folder {str(path)!r}: not found or has no config.json")
+        model = load_model_folder(path, dtype)  # checks the folder first
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as err:
             raise EngineError(f"model folder {str(path)!r}: tokenizer cannot be loaded ({err})") from None
-        return cls(load_model_folder(path, dtype), tokenizer, **kwargs)
+        return cls(model, tokenizer, **kwargs)
 
     @property
     def device(self) -> torch.device:
