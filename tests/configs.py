@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
+
 from marsrl_core.config import MarsRLConfig, load_config
 
 
@@ -16,3 +20,18 @@ def small_config(tmp_path, **extra) -> MarsRLConfig:
         "learner.groups_per_step": 1, "learner.max_steps": 2, "evaluation.num_problems": 2, "evaluation.k": 1,
         "evaluation.max_rounds": 1, "sft.enabled": False, **extra}
     return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def process_config_file(tmp_path, name: str, **sections) -> Path:
+    """A YAML file for `marsrl` subprocesses: everything under `tmp_path`, short budgets, three turns;
+    `sections` (data, learner, ...) are added as given."""
+    config = {
+        "store": {"catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "data_path": f"{tmp_path}/data"},
+        "output_dir": f"{tmp_path}/out", "tracking": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+        "rollout": {"num_generations": 4, "downstream_generations": 2, "problems_per_batch": 2, "segment_tokens": 8,
+                    "solver_max_tokens": 24, "verifier_max_tokens": 16, "corrector_max_tokens": 24, "max_turns": 3},
+        **sections,
+    }
+    path = Path(tmp_path) / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path

@@ -19,29 +19,20 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from marsrl_core.checkpoint import load_checkpoint
 from marsrl_core.store import SegmentStore
+from tests.configs import process_config_file
 
 MAX_STEPS = 12
 KILLS = 12
 
 
 def _config(tmp_path: Path) -> Path:
-    config = {
-        "store": {"catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "data_path": f"{tmp_path}/data"},
-        "output_dir": f"{tmp_path}/out", "tracking": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
-        "rollout": {"num_generations": 4, "downstream_generations": 2, "problems_per_batch": 2, "segment_tokens": 8,
-                    "solver_max_tokens": 24, "verifier_max_tokens": 16, "corrector_max_tokens": 24, "max_turns": 3},
-        "data": {"num_batches": 16},
-        "learner": {"groups_per_step": 4, "max_steps": MAX_STEPS, "learning_rate": 1e-3, "warmup_steps": 0},
-        "evaluation": {"num_problems": 2, "k": 1, "max_rounds": 1},
-        "sft": {"enabled": False},
-    }
-    path = tmp_path / "crash.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return process_config_file(
+        tmp_path, "crash", data={"num_batches": 16},
+        learner={"groups_per_step": 4, "max_steps": MAX_STEPS, "learning_rate": 1e-3, "warmup_steps": 0},
+        evaluation={"num_problems": 2, "k": 1, "max_rounds": 1}, sft={"enabled": False})
 
 
 ROLLOUT_POINTS, LEARNER_POINTS = ("rollout.append",), ("learner.update", "checkpoint.write", "checkpoint.commit")

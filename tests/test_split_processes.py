@@ -7,23 +7,15 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from marsrl_core.store import SegmentStore
+from tests.configs import process_config_file
 
 
 @pytest.mark.slow
 def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
-    config = {
-        "store": {"catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "data_path": f"{tmp_path}/data"},
-        "output_dir": f"{tmp_path}/out", "tracking": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
-        "rollout": {"num_generations": 4, "downstream_generations": 2, "problems_per_batch": 2, "segment_tokens": 8,
-                    "solver_max_tokens": 24, "verifier_max_tokens": 16, "corrector_max_tokens": 24, "max_turns": 3},
-        "data": {"num_batches": 6},
-        "learner": {"groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3, "warmup_steps": 0},
-    }
-    path = tmp_path / "split.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = process_config_file(tmp_path, "split", data={"num_batches": 6},
+                               learner={"groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3, "warmup_steps": 0})
     # Each process runs Prefect in ephemeral mode with its own database (two processes writing one
     # ephemeral SQLite database lock each other out; a shared deployment uses a Prefect server instead).
     def env(name):
@@ -37,7 +29,7 @@ def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
     assert rollout.returncode == 0, rollout.stdout[-3000:] + rollout.stderr[-3000:]
     out, _ = learner.communicate(timeout=600)
     assert learner.returncode == 0, out[-3000:]
-    store = SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"])
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
     assert store.latest_version("split")[0] == 3  # versions advanced to the step budget
     assert store.count("problems", "split") == 12 and store.count("rewards", "split") == store.count("samples", "split")
     twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
