@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, generate
+from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, TextGenerator, generate
 from marsrl_core.engines.hf import HFEngine, load_safetensors_state
 from marsrl_core.tiny import build_tiny_model
 
@@ -99,6 +99,18 @@ def test_seeded_sampling_is_reproducible_and_independent_per_prompt(engine):
     again = generate(engine, prompts, 24, 5, hot)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert first[0].token_ids != first[1].token_ids
+
+
+def test_text_generator_calls_sample_independently_and_replay(engine):
+    # The Solver's call and the Corrector's call on the same prompt index must not share their noise
+    # (when they did, repairs reproduced the solutions' mistakes token for token).
+    def calls(gen):
+        return [[o.token_ids for o in gen.complete(["S|1+2|"] * 4, 24)] for _ in range(3)]
+
+    hot = SamplingParams(temperature=1.0, seed=5)
+    first = calls(TextGenerator(engine, engine.tokenizer, 6, hot))
+    assert first[0] != first[1] and first[1] != first[2]
+    assert calls(TextGenerator(engine, engine.tokenizer, 6, hot)) == first
 
 
 def test_weight_update_from_a_checkpoint_with_tied_embeddings(tmp_path):
