@@ -156,9 +156,13 @@ class SFTConfig(_Section):
     learning_rate: float = Field(1e-3, gt=0, description="SFT AdamW learning rate (constant after a 5% warm-up; 3e-3 stalled the Solver at ~10%).")
     num_problems: int = Field(4000, ge=1, description="Synthetic problems the demonstrations are made from (3 each).")
     solver_error: float = Field(0.15, ge=0, le=1, description="Solver demonstrations: chance that each step is wrong.")
-    verdict_flip: float = Field(0.1, ge=0, le=1, description="Verifier demonstrations: chance that the verdict is flipped.")
+    verdict_flip: float = Field(
+        0.25, ge=0, le=1, description="Verifier demonstrations: chance that the verdict is flipped (a warm-start "
+        "Verifier that sometimes contradicts its own step marks, for RL to sharpen)."
+    )
     repair_failure: float = Field(
-        0.2, ge=0, le=1, description="Corrector demonstrations: chance that the wrong solution is copied unrepaired."
+        0.3, ge=0, le=1, description="Corrector demonstrations: chance that the repair of a wrong solution trusts its "
+        "first wrong total (and is wrong again)."
     )
 
 
@@ -232,9 +236,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "preset": "tiny",
         "roles": {"templates": "tiny"},
-        "sft": {"enabled": True, "max_steps": 1000},
+        "sft": {"enabled": True, "max_steps": 1500},
         "evaluation": {"max_rounds": 4, "accept_after": 2, "num_problems": 512, "k": 2},
-        "data": {"num_batches": 12},
+        "data": {"num_batches": 15},
         "rollout": {
             "num_generations": 8,
             "downstream_generations": 4,
@@ -246,7 +250,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "temperature": 1.0,
             "problems_per_batch": 8,
         },
-        "learner": {"learning_rate": 1e-4, "warmup_steps": 20, "max_steps": 40},
+        "learner": {"learning_rate": 1e-4, "warmup_steps": 20, "max_steps": 50},
     },
 }
 

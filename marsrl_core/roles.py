@@ -50,7 +50,7 @@ DEFAULT_TEMPLATES = {
 TINY_TEMPLATES = {
     SOLVER: "S|{problem}|",
     VERIFIER: "V|{problem}|{solution}|",
-    CORRECTOR: "C|{problem}|{solution}|{report}|",
+    CORRECTOR: "C|{problem}|{report}|",  # the report holds the steps up to the first wrong one
 }
 
 

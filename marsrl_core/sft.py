@@ -34,7 +34,7 @@ from marsrl_core.synthetic import demonstrations, make_problems
 # Warm starts shipped with the repository (made by `marsrl sft --set output_dir=demo/warm-starts`), so a
 # fresh machine's `make train` skips the SFT when its config matches one of them.
 COMMITTED = Path(__file__).resolve().parents[1] / "demo" / "warm-starts"
-SFT_VERSION = 4  # bump when the demonstrations change, to invalidate caches
+SFT_VERSION = 5  # bump when the demonstrations change, to invalidate caches
 
 
 def _key(cfg: MarsRLConfig) -> str:
@@ -89,6 +89,15 @@ def train_sft(model, tokenizer, roles: Roles, examples: list[tuple[str, str, str
     return losses
 
 
+def find_warm_start(cfg: MarsRLConfig) -> Path | None:
+    """The warm start for `cfg` if one was made already: committed in the repository, or cached."""
+    name = f"warm-start-{_key(cfg)}"
+    for cached in (COMMITTED / name, Path(cfg.output_dir) / name):
+        if (cached / "config.json").is_file():
+            return cached
+    return None
+
+
 def warm_start(cfg: MarsRLConfig, progress: Callable[[int, float], None] | None = None) -> Path:
     """The warm-started policy folder for `cfg` (trained once with `cfg.sft`, then reused from the cache)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -96,11 +105,10 @@ def warm_start(cfg: MarsRLConfig, progress: Callable[[int, float], None] | None 
     from marsrl_core.jobs import roles_from_config
     from marsrl_core.policy import policy_folder
 
-    name = f"warm-start-{_key(cfg)}"
-    for cached in (COMMITTED / name, Path(cfg.output_dir) / name):
-        if (cached / "config.json").is_file():
-            return cached
-    folder = Path(cfg.output_dir) / name
+    cached = find_warm_start(cfg)
+    if cached is not None:
+        return cached
+    folder = Path(cfg.output_dir) / f"warm-start-{_key(cfg)}"
     sc = cfg.sft
     start = policy_folder(cfg)
     model = AutoModelForCausalLM.from_pretrained(start)

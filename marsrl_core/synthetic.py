@@ -3,7 +3,10 @@
 A problem is `7+5+9+3`; its answer is the running sum modulo 10 (`4`). A solution writes one local
 step per term, each a single-digit fact a tiny model can learn fast, then the answer:
 `7+5=2;2+9=1;1+3=4;Answer: 4`. Because every step is local, a Verifier can check each step and
-a Corrector can repair a solution from its first wrong step.
+a Corrector can repair a solution from its first wrong step. The Verifier's report
+(`7+5=2>2 ok;2+9=3>1 no;Correctness: Wrong`) copies the steps up to the first wrong one with its own
+recomputed totals, so the tiny Corrector's template shows it the problem and the report only: it
+keeps the steps that hold, takes the recomputed total of the first wrong one, and solves on from there.
 
 Deliberately simple: no carries, no multi-digit numbers (a tiny character model learns those far
 too slowly on a CPU, as measured before this task was chosen).
@@ -81,26 +84,48 @@ def noisy_steps(prompt: str, rng: random.Random, step_error: float) -> list[tupl
 
 
 def verifier_report(solution: str, prompt: str) -> str:
-    """Each step checked locally, then the verdict: `7+5=2>2 ok;2+9=3>1 no;Correctness: Wrong`.
+    """Each step checked locally up to the first wrong one, then the verdict:
+    `7+5=2>2 ok;2+9=3>1 no;Correctness: Wrong`.
 
     Per step the Verifier copies the step `a+b=c`, recomputes `>(a+b) mod 10` itself, and marks it `ok`
-    or `no`; the check is then a comparison of two adjacent digits, which a tiny model learns (a bare
+    or `no`; the check is then a comparison of two nearby digits, which a tiny model can learn (a bare
     verdict, or a whole re-solution before it, stayed at chance in a prototype). The marks also check
-    that a step continues the previous total and uses the right term, so the verdict is the truth.
+    that a step continues the previous total and uses the right term. The report stops at the first
+    `no`, as a bug report cites the first error: the verdict then follows from the last mark alone, and
+    the report carries what the Corrector needs (the steps that hold, and the recomputed total of the
+    first one that does not). A chain that holds but stops early or states another answer ends `end no`.
     """
     steps = parse_steps(solution)
     if steps is None:
         return "bad;Correctness: Wrong"
     terms = [int(t) for t in prompt.split("+")]
-    marks, total, fine = [], terms[0], len(steps) == len(terms) - 1
+    marks, total = [], terms[0]
     for (a, b, c), term in zip(steps, terms[1:]):
         good = a == total and b == term and c == (a + b) % 10
         marks.append(f"{a}+{b}={c}>{(a + b) % 10} {'ok' if good else 'no'}")
-        fine &= good
+        if not good:
+            return ";".join(marks) + ";Correctness: Wrong"
         total = c
     answer = solution.rsplit("Answer:", 1)[-1].strip()
-    fine &= bool(steps) and answer == str(steps[-1][2])
-    return ";".join(marks) + f";Correctness: {'Correct' if fine else 'Wrong'}"
+    if len(steps) != len(terms) - 1 or not steps or answer != str(steps[-1][2]):
+        return ";".join(marks + ["end no"]) + ";Correctness: Wrong"
+    return ";".join(marks) + ";Correctness: Correct"
+
+
+def keep_first_mistake(solution: str, prompt: str) -> str:
+    """A failed repair: the solution's first wrong total trusted, the remaining steps done right from it."""
+    terms = [int(t) for t in prompt.split("+")]
+    steps, total = [], terms[0]
+    for (a, b, c), term in zip(parse_steps(solution) or [], terms[1:]):
+        steps.append((total, term, c))
+        if c != (total + term) % 10:
+            break
+        total = c
+    total = steps[-1][2] if steps else terms[0]
+    for term in terms[len(steps) + 1:]:
+        steps.append((total, term, (total + term) % 10))
+        total = steps[-1][2]
+    return write_solution(steps)
 
 
 def demonstrations(problems: list[Problem], rng: random.Random, *, solver_error: float = 0.15,
@@ -116,9 +141,11 @@ def demonstrations(problems: list[Problem], rng: random.Random, *, solver_error:
             flipped = "Correct" if report.endswith("Wrong") else "Wrong"
             report = report.rsplit(":", 1)[0] + f": {flipped}"
         demos.append(("verifier", f"{p.prompt}|{judged}", report))
-        wrong = write_solution(noisy_steps(p.prompt, rng, 0.5))
-        repair = wrong if rng.random() < repair_failure else correct_solution(p.prompt)
+        previous = write_solution(noisy_steps(p.prompt, rng, 0.35))  # right in about a third of cases
+        repair = correct_solution(p.prompt)
+        if previous != repair and rng.random() < repair_failure:
+            repair = keep_first_mistake(previous, p.prompt)
         # The Corrector sees the bug report as rollouts and the V-C loop pass it: without the verdict.
-        report_text = parse_bug_report(verifier_report(wrong, p.prompt))
-        demos.append(("corrector", f"{p.prompt}|{wrong}|{report_text}", repair))
+        report_text = parse_bug_report(verifier_report(previous, p.prompt))
+        demos.append(("corrector", f"{p.prompt}|{previous}|{report_text}", repair))
     return demos

@@ -11,7 +11,9 @@ from marsrl_core.reasoning import run_vc_loop
 from marsrl_core.roles import TINY_TEMPLATES, Roles
 from tests.scripted import ScriptedEngine
 
-ROLES = Roles.from_config(base=TINY_TEMPLATES)
+# The tiny Corrector template shows only problem and report; this one adds the previous solution, so the
+# test sees everything the loop passes to a Corrector.
+ROLES = Roles.from_config({"corrector": "C|{problem}|{solution}|{report}|"}, base=TINY_TEMPLATES)
 BUDGET = {"solver": 64, "verifier": 64, "corrector": 64}
 
 

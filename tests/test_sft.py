@@ -6,16 +6,19 @@ import random
 
 from marsrl_core.config import load_config
 from marsrl_core.roles import TINY_TEMPLATES, Roles
-from marsrl_core.synthetic import (correct_solution, demonstrations, make_problems, noisy_steps, parse_steps,
-                                   verifier_report)
+from marsrl_core.synthetic import (correct_solution, demonstrations, keep_first_mistake, make_problems, noisy_steps,
+                                   parse_steps, verifier_report)
 
 
 def test_verifier_reports_mark_each_step_and_the_verdict():
     assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 4", "7+5+9+3") == (
         "7+5=2>2 ok;2+9=1>1 ok;1+3=4>4 ok;Correctness: Correct")
-    assert verifier_report("7+5=2;2+9=2;2+3=5;Answer: 5", "7+5+9+3") == (
-        "7+5=2>2 ok;2+9=2>1 no;2+3=5>5 ok;Correctness: Wrong")
-    assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 5", "7+5+9+3").endswith("Wrong")  # answer not the last total
+    # The report stops at the first wrong step, as a bug report cites the first error.
+    assert verifier_report("7+5=2;2+9=2;2+3=5;Answer: 5", "7+5+9+3") == "7+5=2>2 ok;2+9=2>1 no;Correctness: Wrong"
+    assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 5", "7+5+9+3") == (  # answer not the last total
+        "7+5=2>2 ok;2+9=1>1 ok;1+3=4>4 ok;end no;Correctness: Wrong")
+    assert verifier_report("7+5=2;2+9=1;Answer: 1", "7+5+9+3").endswith("end no;Correctness: Wrong")  # a step missing
+    assert keep_first_mistake("7+5=2;2+9=3;3+3=4;Answer: 4", "7+5+9+3") == "7+5=2;2+9=3;3+3=6;Answer: 6"
     assert verifier_report("7+5=", "7+5+9+3") == "bad;Correctness: Wrong"
     assert parse_steps(correct_solution("1+2+3")) == [(1, 2, 3), (3, 3, 6)]
 
@@ -30,11 +33,16 @@ def test_demonstrations_inject_mistakes_at_the_configured_rates():
     verifier = [(f, t) for r, f, t in demos if r == "verifier"]
     flipped = sum(verifier_report(f.split("|")[1], f.split("|")[0]) != t for f, t in verifier) / len(verifier)
     assert 0.07 < flipped < 0.13
-    repairs = [(f, t) for r, f, t in demos if r == "corrector"]
-    failed = sum(t != correct_solution(f.split("|")[0]) for f, t in repairs) / len(repairs)
-    assert 0.15 < failed < 0.3
+    repairs = [(f.split("|"), t) for r, f, t in demos if r == "corrector"]
+    right_inputs = [(p, t) for (p, prev, _), t in repairs if prev == correct_solution(p)]
+    assert 0.2 < len(right_inputs) / len(repairs) < 0.5
+    assert all(t == correct_solution(p) for p, t in right_inputs)  # a right solution is kept as it is
+    wrong_inputs = [(p, prev, t) for (p, prev, _), t in repairs if prev != correct_solution(p)]
+    failed = [t for p, prev, t in wrong_inputs if t != correct_solution(p)]
+    assert 0.15 < len(failed) / len(wrong_inputs) < 0.25  # only wrong solutions get failed repairs
+    assert all(t == keep_first_mistake(prev, p) for p, prev, t in wrong_inputs if t != correct_solution(p))
     # The Corrector's report is the bug report as the rollout passes it: the verdict line removed.
-    assert all("Correctness" not in f.split("|")[2] for f, _ in repairs)
+    assert all("Correctness" not in f[2] for f, _ in repairs)
     assert noisy_steps("1+2+3", random.Random(1), 0.0) == [(1, 2, 3), (3, 3, 6)]
 
 
