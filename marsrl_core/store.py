@@ -190,6 +190,12 @@ class SegmentStore:
         if self.data_path.startswith(("s3://", "gs://", "http")):
             needed.insert(0, "httpfs")
         con = duckdb.connect()
+        if "://" not in self.data_path:
+            # DuckDB's external file cache keeps the bytes of every Parquet file a query has read, until
+            # memory_limit (80% of RAM). Every append adds files and the rollout and learner re-read the
+            # whole run, so in a long-lived process the cache grows with the run's data, without bound.
+            # Local files are in the OS page cache anyway; remote data paths keep the cache.
+            con.execute("SET enable_external_file_cache = false")
         for name in needed:
             if name not in extensions:
                 raise StoreError(f"catalog_url={self.catalog_url!r}: the duckdb extension {name!r} is not installed "
