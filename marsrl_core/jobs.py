@@ -60,22 +60,32 @@ def print_report(console: Console, reports: dict[str, EvalReport | dict]) -> Non
     console.print(table)
 
 
-def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: str,
-                    folder: Path | None = None) -> EvalReport:
-    """Evaluate a policy and record the metrics. `folder`: the run's starting policy when None; a model
-    folder; or a learner checkpoint (its `policy` model, or one model per agent for `per_agent`)."""
-    folder = Path(folder) if folder is not None else policy_folder(cfg)
+def evaluation_generators(cfg: MarsRLConfig, folder: Path) -> dict[str, TextGenerator]:
+    """One text generator per agent for the policy in `folder`: a model folder, or a learner checkpoint
+    (its `policy` model, or one model per agent for `per_agent`). Agents that share a model share a
+    generator. Separate generators get separate seed streams: generators that share a seed draw the
+    same noise on their n-th call, and a Corrector drawing the Solver's noise repeats its mistakes (a
+    repair is written token for token in the solution's format)."""
     if (folder / "config.json").is_file():
         folders = {agent: folder for agent in AGENTS}
     else:
         shared = (folder / "policy").is_dir()
         folders = {agent: folder / ("policy" if shared else agent) for agent in AGENTS}
-    engines = {path: make_engine(cfg, path) for path in set(folders.values())}
     ev = cfg.evaluation
-    generators = {path: TextGenerator(engine, engine.tokenizer, cfg.rollout.segment_tokens,
-                                      SamplingParams(temperature=ev.temperature, seed=cfg.seed))
-                  for path, engine in engines.items()}
-    generator = {agent: generators[path] for agent, path in folders.items()}
+    generators = {}
+    for stream, path in enumerate(sorted(set(folders.values()))):
+        engine = make_engine(cfg, path)
+        generators[path] = TextGenerator(engine, engine.tokenizer, cfg.rollout.segment_tokens,
+                                         SamplingParams(temperature=ev.temperature, seed=cfg.seed * 1_009 + stream))
+    return {agent: generators[path] for agent, path in folders.items()}
+
+
+def evaluate_policy(cfg: MarsRLConfig, store: SegmentStore, run_id: str, label: str,
+                    folder: Path | None = None) -> EvalReport:
+    """Evaluate a policy (see `evaluation_generators` for `folder`; the run's starting policy when None)
+    and record the metrics."""
+    generator = evaluation_generators(cfg, Path(folder) if folder is not None else policy_folder(cfg))
+    ev = cfg.evaluation
     problems = evaluation_problems(cfg, store, run_id, generator["solver"].tokenizer)
     budgets = {agent: cfg.rollout.max_tokens(agent) for agent in ("solver", "verifier", "corrector")}
     start = time.perf_counter()

@@ -67,3 +67,21 @@ def test_per_agent_checkpoints_evaluate_each_role_with_its_own_model(tmp_path):
     assert report.problems == 2
     with pytest.raises(Exception, match="not found or has no config.json"):
         evaluate_policy(cfg, store, "r", "after", folder=tmp_path / "empty")
+
+
+def test_per_agent_generators_draw_independent_noise(tmp_path):
+    """Per-agent models that are identical must still sample independently: when every generator drew the
+    same noise on its first call, the Corrector repeated the Solver's mistakes (fix rate 6% measured)."""
+    from marsrl_core.config import load_config
+    from marsrl_core.jobs import evaluation_generators
+    from marsrl_core.tiny import build_tiny_model
+
+    for agent in ("solver", "verifier", "corrector"):
+        build_tiny_model(tmp_path / "v1" / agent, seed=0, max_position_embeddings=128)  # the same weights
+    generators = evaluation_generators(load_config("tiny"), tmp_path / "v1")
+    assert len({id(g) for g in generators.values()}) == 3
+    prompts = [f"S|{i}+{i}|" for i in range(8)]
+    solver, corrector = (generators[a].complete(prompts, 24) for a in ("solver", "corrector"))
+    assert [o.token_ids for o in solver] != [o.token_ids for o in corrector]
+    shared = evaluation_generators(load_config("tiny"), tmp_path / "v1" / "solver")  # one model, one generator
+    assert len({id(g) for g in shared.values()}) == 1
