@@ -35,3 +35,25 @@ def process_config_file(tmp_path, name: str, **sections) -> Path:
     path = Path(tmp_path) / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+# The CI learning test's short run (tests/test_learning.py; its margins are measured over seeds by
+# benchmarks/learning_spread.py): the tiny preset from its committed warm start, 50 learner steps on 15
+# batches, evaluated before and after on 256 held-out problems x 2 samples.
+LEARNING_RUN = {"learner.max_steps": 50, "data.num_batches": 15, "evaluation.num_problems": 256, "evaluation.k": 2}
+
+
+def learning_config(tmp_path, seed: int = 0) -> MarsRLConfig:
+    """The short learning run under `tmp_path`, with `seed` for RL sampling and the held-out problems
+    (the warm start stays the committed one of the tiny preset, made with the preset's own seed)."""
+    from marsrl_core.sft import COMMITTED, find_warm_start
+
+    folder = find_warm_start(load_config("tiny"))
+    if folder is None or folder.parent != COMMITTED:
+        raise RuntimeError(f"no committed warm start for the tiny preset in {COMMITTED} (make it with "
+                           "`marsrl sft --set output_dir=demo/warm-starts`)")
+    overrides = {
+        "store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "store.data_path": f"{tmp_path}/data",
+        "output_dir": f"{tmp_path}/out", "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        "model.path": str(folder), "seed": seed, **LEARNING_RUN}
+    return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()])

@@ -1,0 +1,83 @@
+"""Seed-to-seed spread of the CI learning run, to set the margins of tests/test_learning.py.
+
+Runs the short learning run of `tests/configs.learning_config` (committed warm start, 50 learner steps,
+256 held-out problems x 2 before and after) once per seed. The seed changes the held-out problems,
+the evaluation's sampling and the RL run's sampling; the warm start stays the same. It reports, for
+the Solver's accuracy and the Verifier's balanced accuracy, the mean and standard deviation over seeds
+of the measure before, after, and of the gain.
+
+The spread of the measure before training is the noise of one evaluation of a fixed policy; the
+spread after adds the run's own randomness. A gain is beyond that spread when it exceeds
+`2 * sqrt(sd_before^2 + sd_after^2)` (two standard deviations of a difference of two such
+measurements): that is the `margin` this script writes, and what the test asserts with.
+
+Writes benchmarks/results/learning_spread.json: seeds, runs (per seed), and per measure the mean/sd of
+before, after and gain, and the margin. Run: `python benchmarks/learning_spread.py --seeds 4`
+(about 3 minutes a seed on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from benchmarks.common import print_rows, write_results  # noqa: E402
+
+MEASURES = {"solver": "solver_acc", "verifier": "verifier_bal_acc"}
+
+
+def run_seed(seed: int) -> dict[str, float]:
+    from flows.train import train_flow
+    from tests.configs import learning_config
+
+    with tempfile.TemporaryDirectory(prefix=f"marsrl-spread-{seed}-") as tmp:
+        start = time.perf_counter()
+        result = train_flow(learning_config(tmp, seed))
+        row = {"seed": seed, "learner_steps": result["learner_steps"], "wall_clock_s": time.perf_counter() - start}
+        for name, key in MEASURES.items():
+            row[f"{name}_before"], row[f"{name}_after"] = result["before"][key], result["after"][key]
+        return row
+
+
+def summarise(runs: list[dict]) -> dict[str, dict[str, float]]:
+    summary = {}
+    for name in MEASURES:
+        before = [r[f"{name}_before"] for r in runs]
+        after = [r[f"{name}_after"] for r in runs]
+        gain = [a - b for a, b in zip(after, before)]
+        sd_before, sd_after = statistics.stdev(before), statistics.stdev(after)
+        summary[name] = {
+            "before_mean": statistics.mean(before), "before_sd": sd_before,
+            "after_mean": statistics.mean(after), "after_sd": sd_after,
+            "gain_mean": statistics.mean(gain), "gain_sd": statistics.stdev(gain), "gain_min": min(gain),
+            "margin": 2 * (sd_before**2 + sd_after**2) ** 0.5,
+        }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=4, help="Seeds 0..N-1 (at least 2).")
+    args = parser.parse_args()
+    runs = [run_seed(seed) for seed in range(max(2, args.seeds))]
+    summary = summarise(runs)
+    print_rows("the learning run, per seed", ["seed", "Solver before", "Solver after", "Verifier before",
+                                              "Verifier after", "wall-clock s"],
+               [[r["seed"], r["solver_before"], r["solver_after"], r["verifier_before"], r["verifier_after"],
+                 r["wall_clock_s"]] for r in runs])
+    print_rows("spread over seeds", ["measure", "before mean ± sd", "after mean ± sd", "gain mean ± sd",
+                                     "smallest gain", "margin"],
+               [[name, f"{s['before_mean']:.3f} ± {s['before_sd']:.3f}", f"{s['after_mean']:.3f} ± {s['after_sd']:.3f}",
+                 f"{s['gain_mean']:.3f} ± {s['gain_sd']:.3f}", s["gain_min"], s["margin"]] for name, s in summary.items()])
+    path = write_results("learning_spread", {"seeds": len(runs), "runs": runs, **summary})
+    print(f"figures written to {path}")
+
+
+if __name__ == "__main__":
+    main()
