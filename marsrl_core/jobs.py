@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from marsrl_core.config import AGENTS, MarsRLConfig
-from marsrl_core.engines.base import SamplingParams, TextGenerator
+from marsrl_core.engines.base import SamplingParams, TextGenerator, derive_seed
 from marsrl_core.evaluation import EvalReport, evaluate
 from marsrl_core.policy import make_engine, policy_folder
 from marsrl_core.problems import Problem, load_problems
@@ -76,7 +76,7 @@ def evaluation_generators(cfg: MarsRLConfig, folder: Path) -> dict[str, TextGene
     for stream, path in enumerate(sorted(set(folders.values()))):
         engine = make_engine(cfg, path)
         generators[path] = TextGenerator(engine, engine.tokenizer, cfg.rollout.segment_tokens,
-                                         SamplingParams(temperature=ev.temperature, seed=cfg.seed * 1_009 + stream))
+                                         SamplingParams(temperature=ev.temperature, seed=derive_seed(cfg.seed, stream)))
     return {agent: generators[path] for agent, path in folders.items()}
 
 

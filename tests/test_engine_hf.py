@@ -113,6 +113,13 @@ def test_text_generator_calls_sample_independently_and_replay(engine):
     assert calls(TextGenerator(engine, engine.tokenizer, 6, hot)) == first
 
 
+@pytest.mark.parametrize("seed", [1, 12345, 2**62])
+def test_any_seed_samples(engine, seed):
+    # Derived seeds stay below 2**32: products of seeds once overflowed torch's seed for any seed >= 1.
+    gen = TextGenerator(engine, engine.tokenizer, 5, SamplingParams(temperature=1.0, seed=seed))
+    assert all(len(o.token_ids) == 12 or o.finish_reason == "stop" for o in gen.complete(["S|1+2|"] * 3, 12))
+
+
 def test_weight_update_from_a_checkpoint_with_tied_embeddings(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -78,7 +78,7 @@ def test_per_agent_generators_draw_independent_noise(tmp_path):
 
     for agent in ("solver", "verifier", "corrector"):
         build_tiny_model(tmp_path / "v1" / agent, seed=0, max_position_embeddings=128)  # the same weights
-    generators = evaluation_generators(load_config("tiny"), tmp_path / "v1")
+    generators = evaluation_generators(load_config("tiny", None, ["seed=3"]), tmp_path / "v1")
     assert len({id(g) for g in generators.values()}) == 3
     prompts = [f"S|{i}+{i}|" for i in range(8)]
     solver, corrector = (generators[a].complete(prompts, 24) for a in ("solver", "corrector"))

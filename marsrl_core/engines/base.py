@@ -15,9 +15,16 @@ tokenizer's `eos_token_id`.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
+
+
+def derive_seed(seed: int, *parts: int) -> int:
+    """A seed for a sub-stream (a prompt, a call, a segment offset) of `seed`: deterministic, distinct for
+    distinct parts, and always below 2**32 (products of seeds overflowed torch's 64-bit seed)."""
+    return zlib.crc32(":".join(map(str, (seed, *parts))).encode())
 
 
 class EngineError(RuntimeError):
@@ -82,7 +89,7 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, 
     With a seed, prompt i samples under its own seed derived from (seed, i): identical prompts still
     give independent samples, and the same call gives the same outputs again."""
     outputs = [Completion() for _ in prompts]
-    per_prompt = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed * 65_537 + i)
+    per_prompt = [sampling if sampling.seed is None else replace(sampling, seed=derive_seed(sampling.seed, i))
                   for i in range(len(prompts))]
     active = list(range(len(prompts)))
     while active:
@@ -125,7 +132,7 @@ class TextGenerator:
         self.calls += 1
         if self.sampling.seed is None:
             return self.sampling
-        return replace(self.sampling, seed=self.sampling.seed * 1_000_033 + self.calls)
+        return replace(self.sampling, seed=derive_seed(self.sampling.seed, self.calls))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, SegmentResult
+from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, SegmentResult, derive_seed
 
 
 def load_model_folder(path: str | Path, dtype: str = "float32"):
@@ -179,7 +179,7 @@ class HFEngine:
         if sampling.seed is None:
             return None
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(sampling.seed * 1_000_003 + offset)
+        generator.manual_seed(derive_seed(sampling.seed, offset))
         return generator
 
     @staticmethod

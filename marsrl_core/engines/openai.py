@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from marsrl_core.engines.base import EngineError, SegmentRequest, SegmentResult
+from marsrl_core.engines.base import EngineError, SegmentRequest, SegmentResult, derive_seed
 
 
 class OpenAIEngine:
@@ -53,7 +53,7 @@ class OpenAIEngine:
             "prompt": [int(t) for t in request.prompt_ids] + [int(t) for t in request.prefix_ids],
             "max_tokens": request.max_new_tokens,
             "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "seed": None if s.seed is None else s.seed * 1_000_003 + len(request.prefix_ids),
+            "seed": None if s.seed is None else derive_seed(s.seed, len(request.prefix_ids)),
             "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
         }
         if self.stop_strings:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from marsrl_core.engines.base import EngineError, SegmentRequest, SegmentResult
+from marsrl_core.engines.base import EngineError, SegmentRequest, SegmentResult, derive_seed
 
 
 class VLLMEngine:
@@ -72,7 +72,7 @@ class VLLMEngine:
                    for r in requests]
         params = [VLLMSampling(
             temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
-            seed=None if r.sampling.seed is None else r.sampling.seed * 1_000_003 + len(r.prefix_ids),
+            seed=None if r.sampling.seed is None else derive_seed(r.sampling.seed, len(r.prefix_ids)),
             max_tokens=r.max_new_tokens, logprobs=0, stop=self.stop_strings or None,
             skip_special_tokens=False) for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
