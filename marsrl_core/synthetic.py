@@ -116,21 +116,20 @@ def keep_first_mistake(solution: str, prompt: str) -> str:
     """A failed repair: the solution's first wrong total trusted, the remaining steps done right from it."""
     terms = [int(t) for t in prompt.split("+")]
     steps, total = [], terms[0]
-    for (a, b, c), term in zip(parse_steps(solution) or [], terms[1:]):
+    for (_, _, c), term in zip(parse_steps(solution) or [], terms[1:]):
+        holds = c == (total + term) % 10
         steps.append((total, term, c))
-        if c != (total + term) % 10:
-            break
         total = c
-    total = steps[-1][2] if steps else terms[0]
-    for term in terms[len(steps) + 1:]:
-        steps.append((total, term, (total + term) % 10))
-        total = steps[-1][2]
-    return write_solution(steps)
+        if not holds:
+            break
+    rest = "+".join(map(str, [total, *terms[len(steps) + 1:]]))  # the remaining chain, from the trusted total
+    return write_solution(steps + solution_steps(rest))
 
 
-def demonstrations(problems: list[Problem], rng: random.Random, *, solver_error: float = 0.15,
-                   verdict_flip: float = 0.1, repair_failure: float = 0.2) -> list[tuple[str, str, str]]:
-    """(role, prompt fields joined by '|', target) demonstrations for all three roles."""
+def demonstrations(problems: list[Problem], rng: random.Random, *, solver_error: float, verdict_flip: float,
+                   repair_failure: float) -> list[tuple[str, str, str]]:
+    """(role, prompt fields joined by '|', target) demonstrations for all three roles; the mistake rates
+    are `SFTConfig`'s fields of the same names."""
     demos = []
     for p in problems:
         solution = write_solution(noisy_steps(p.prompt, rng, solver_error))
