@@ -9,11 +9,16 @@ import yaml
 from marsrl_core.config import MarsRLConfig, load_config
 
 
+def _under(tmp_path) -> dict[str, str]:
+    """Overrides that put a run's store, outputs and MLflow database under `tmp_path`."""
+    return {"store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "store.data_path": f"{tmp_path}/data",
+            "output_dir": f"{tmp_path}/out", "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}
+
+
 def small_config(tmp_path, **extra) -> MarsRLConfig:
     """Everything under `tmp_path`; `extra` overrides dotted keys."""
     overrides = {
-        "store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "store.data_path": f"{tmp_path}/data",
-        "output_dir": f"{tmp_path}/out", "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+        **_under(tmp_path),
         "rollout.num_generations": 4, "rollout.downstream_generations": 2, "rollout.problems_per_batch": 2,
         "rollout.segment_tokens": 8, "rollout.solver_max_tokens": 16, "rollout.verifier_max_tokens": 16,
         "rollout.corrector_max_tokens": 16, "rollout.max_turns": 3, "data.num_batches": 2,
@@ -52,8 +57,5 @@ def learning_config(tmp_path, seed: int = 0) -> MarsRLConfig:
     if folder is None or folder.parent != COMMITTED:
         raise RuntimeError(f"no committed warm start for the tiny preset in {COMMITTED} (make it with "
                            "`marsrl sft --set output_dir=demo/warm-starts`)")
-    overrides = {
-        "store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "store.data_path": f"{tmp_path}/data",
-        "output_dir": f"{tmp_path}/out", "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
-        "model.path": str(folder), "seed": seed, **LEARNING_RUN}
+    overrides = {**_under(tmp_path), "model.path": str(folder), "seed": seed, **LEARNING_RUN}
     return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()])
