@@ -48,7 +48,7 @@ class LoopResult:
 def ready_groups(store: SegmentStore, run_id: str, per_agent: int, flush: bool = False) -> list[TrainableGroup]:
     """Up to `per_agent` complete groups per agent; empty unless some agent has `per_agent` ready
     (or `flush`, at the end of a run, when any ready group counts)."""
-    by_agent = {agent: store.trainable_groups(run_id, agent, limit=per_agent) for agent in AGENTS}
+    by_agent = store.trainable_groups_by_agent(run_id, AGENTS, limit=per_agent)
     if not flush and all(len(g) < per_agent for g in by_agent.values()):
         return []
     return [g for groups in by_agent.values() for g in groups]

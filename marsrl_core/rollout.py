@@ -362,9 +362,7 @@ class RolloutScheduler:
     def resume(self, problems_by_id: dict[str, Problem]) -> int:
         """Rebuild the state of the problems in `problems_by_id` from the store; returns how many
         samples were restored."""
-        rows = [r for r in self.store.query(
-            "SELECT sample_id, problem_id, agent, turn, group_id, parent_sample_id FROM samples "
-            "WHERE run_id = ? ORDER BY turn", [self.run_id]).to_pylist() if r["problem_id"] in problems_by_id]
+        rows = self.store.samples_of_problems(self.run_id, list(problems_by_id))
         if not rows:
             return 0
         stored = self.store.load_samples(self.run_id, [r["sample_id"] for r in rows])
@@ -386,8 +384,7 @@ class RolloutScheduler:
             state = self.states.setdefault(problem.problem_id, ProblemState(problem))
             state.turns.setdefault(sample.turn, []).append(sample)
         self.admitted = len(self.states)
-        rewarded = set(self.store.query("SELECT sample_id FROM rewards WHERE run_id = ?", [self.run_id])
-                       .column("sample_id").to_pylist())
+        rewarded = {r["sample_id"] for r in rows if r["rewarded"]}
         for state in self.states.values():
             samples = [s for t in state.turns.values() for s in t]
             if all(s.finish for s in samples) and self._is_closed(state, rewarded):

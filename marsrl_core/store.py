@@ -8,7 +8,8 @@ installed PyPI packages (`duckdb-extension-*`), never downloaded.
 How it is used:
 - `append(...)` writes samples, segments and rewards of one rollout stage in one transaction, in bulk
   through Arrow (binding Python lists row by row is ~1000x slower);
-- `trainable_groups(...)` lists complete, unconsumed same-input groups for an agent;
+- `trainable_groups(...)` lists complete, unconsumed same-input groups for an agent (or, in one
+  query, for several: `trainable_groups_by_agent`);
 - `commit_step(...)` records a learner step's consumptions, its policy version and its metrics in one
   transaction (exactly-once: a sample consumed by a committed step is never listed again; a step that
   never committed leaves its samples trainable);
@@ -19,7 +20,7 @@ rolled back and retried with jittered exponential backoff (counted in `lock_retr
 conflict logically, so a retry always converges.
 
 Deliberate simplifications: one DuckDB connection per Store guarded by a lock (tasks in threads
-share it); unknown-sample checks use an in-process cache and fall back to one query.
+share it); unknown-sample checks use a bounded in-process cache and fall back to one query.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import pyarrow as pa
 from marsrl_core.store_schema import ARROW_SCHEMAS, table_ddl, view_ddl
 
 CATALOG = "lake"
+KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown-id checks
 _TRANSIENT = ("database is locked", "conflict", "failed to commit", "busy", "could not serialize")
 
 
@@ -379,7 +381,7 @@ class SegmentStore:
                 self._insert(con, table, batch)
 
         self._transaction(body)
-        self._known_samples |= {(run_id, sid) for sid in new_ids}
+        self._remember(run_id, new_ids)
 
     def commit_step(
         self,
@@ -437,6 +439,13 @@ class SegmentStore:
         self._transaction(body)
 
     # ------------------------------------------------------------------ validation and batches
+    def _remember(self, run_id: str, sample_ids: Iterable[str]) -> None:
+        """Cache sample ids known to exist; the cache is dropped when full (a miss costs one query), so a
+        days-long run does not hold every id it ever wrote."""
+        if len(self._known_samples) > KNOWN_SAMPLES_CACHE:
+            self._known_samples.clear()
+        self._known_samples |= {(run_id, sid) for sid in sample_ids}
+
     def _check_known(self, run_id: str, sample_ids: set[str]) -> None:
         unknown = {sid for sid in sample_ids if (run_id, sid) not in self._known_samples}
         if not unknown:
@@ -445,7 +454,7 @@ class SegmentStore:
             f"SELECT DISTINCT s.sample_id FROM {CATALOG}.samples s JOIN _ids USING (sample_id) WHERE s.run_id = ?",
             [run_id], {"_ids": pa.table({"sample_id": pa.array(sorted(unknown), pa.string())})},
         ).column("sample_id").to_pylist()
-        self._known_samples |= {(run_id, sid) for sid in found}
+        self._remember(run_id, found)
         missing = unknown - set(found)
         if missing:
             shown = ", ".join(sorted(missing)[:5])
@@ -519,23 +528,37 @@ class SegmentStore:
     # ------------------------------------------------------------------ reads
     def trainable_groups(self, run_id: str, agent: str, limit: int | None = None) -> list[TrainableGroup]:
         """Complete (every member rewarded), unconsumed groups of `agent`, oldest completion first."""
+        return self.trainable_groups_by_agent(run_id, [agent], limit)[agent]
+
+    def trainable_groups_by_agent(self, run_id: str, agents: Sequence[str],
+                                  limit: int | None = None) -> dict[str, list[TrainableGroup]]:
+        """`trainable_groups` of several agents (at most `limit` each) in one query: the learner polls
+        this, so it scans the run's samples, rewards and consumptions once, not once per agent."""
+        agent_table = pa.table({"agent": pa.array(list(agents), pa.string())})
         sql = f"""
             WITH members AS (
-                SELECT s.group_id, s.sample_id, s.group_size, r.created_at AS done_at
-                FROM {CATALOG}.samples s
+                SELECT s.agent, s.group_id, s.sample_id, s.group_size, r.created_at AS done_at
+                FROM {CATALOG}.samples s JOIN _agents USING (agent)
                 LEFT JOIN (SELECT sample_id, min(created_at) AS created_at FROM {CATALOG}.rewards
-                           WHERE run_id = $run GROUP BY sample_id) r USING (sample_id)
-                WHERE s.run_id = $run AND s.agent = $agent),
-            consumed AS (SELECT DISTINCT sample_id FROM {CATALOG}.consumptions WHERE run_id = $run AND agent = $agent)
-            SELECT group_id, list(sample_id ORDER BY sample_id) AS sample_ids, max(done_at) AS completed_at
-            FROM members
-            GROUP BY group_id
-            HAVING count(done_at) = any_value(group_size)
-               AND count(*) FILTER (WHERE sample_id IN (SELECT sample_id FROM consumed)) = 0
-            ORDER BY completed_at, group_id
-            {'LIMIT ' + str(int(limit)) if limit else ''}"""
-        rows = self._read(sql.replace("$run", "$1").replace("$agent", "$2"), [run_id, agent]).to_pylist()
-        return [TrainableGroup(r["group_id"], agent, r["sample_ids"]) for r in rows]
+                           WHERE run_id = $1 GROUP BY sample_id) r USING (sample_id)
+                WHERE s.run_id = $1),
+            consumed AS (SELECT DISTINCT sample_id FROM {CATALOG}.consumptions c JOIN _agents USING (agent)
+                         WHERE c.run_id = $1),
+            complete AS (
+                SELECT agent, group_id, list(sample_id ORDER BY sample_id) AS sample_ids, max(done_at) AS completed_at
+                FROM members
+                GROUP BY agent, group_id
+                HAVING count(done_at) = any_value(group_size)
+                   AND count(*) FILTER (WHERE sample_id IN (SELECT sample_id FROM consumed)) = 0)
+            SELECT agent, group_id, sample_ids FROM (
+                SELECT *, row_number() OVER (PARTITION BY agent ORDER BY completed_at, group_id) AS position
+                FROM complete)
+            {'WHERE position <= ' + str(int(limit)) if limit else ''}
+            ORDER BY agent, position"""
+        found: dict[str, list[TrainableGroup]] = {agent: [] for agent in agents}
+        for r in self._read(sql, [run_id], {"_agents": agent_table}).to_pylist():
+            found[r["agent"]].append(TrainableGroup(r["group_id"], r["agent"], r["sample_ids"]))
+        return found
 
     def load_samples(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, StoredSample]:
         """Rebuild samples (prompt, tokens, behaviour log-probs, versions) from their segments."""
@@ -571,6 +594,25 @@ class SegmentStore:
         if missing:
             raise StoreError(f"sample_id: unknown sample id(s) in run {run_id!r}: {', '.join(missing[:5])}")
         return result
+
+    def samples_of_problems(self, run_id: str, problem_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The stored samples of these problems (ids, agent, turn, group, parent, rewarded or not), by turn.
+
+        Filtered in SQL, so a rollout task's cost does not grow with the run's size."""
+        ids = pa.table({"problem_id": pa.array(list(problem_ids), pa.string())})
+        return self._read(
+            f"""SELECT s.sample_id, s.problem_id, s.agent, s.turn, s.group_id, s.parent_sample_id,
+                       EXISTS (SELECT 1 FROM {CATALOG}.rewards r
+                               WHERE r.run_id = s.run_id AND r.sample_id = s.sample_id) AS rewarded
+                FROM {CATALOG}.samples s JOIN _ids USING (problem_id)
+                WHERE s.run_id = ? ORDER BY s.turn, s.sample_id""", [run_id], {"_ids": ids}).to_pylist()
+
+    def known_problems(self, run_id: str, problem_ids: Sequence[str]) -> set[str]:
+        """Which of these problem ids the run has recorded already."""
+        ids = pa.table({"problem_id": pa.array(list(problem_ids), pa.string())})
+        return set(self._read(
+            f"SELECT DISTINCT p.problem_id FROM {CATALOG}.problems p JOIN _ids USING (problem_id) WHERE p.run_id = ?",
+            [run_id], {"_ids": ids}).column("problem_id").to_pylist())
 
     def latest_version(self, run_id: str) -> tuple[int, str] | None:
         """The newest committed policy version and its checkpoint, or None before the first step."""

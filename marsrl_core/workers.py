@@ -87,8 +87,7 @@ def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
     if cfg.data.train_dataset is not None and batch_index == 0:  # the file's bad rows, recorded once a run
         rejected = _training_set(cfg.data.train_dataset, cfg.data.question_field, cfg.data.answer_field).rejected
         store.reject_many(run_id, [(r.source, r.location, r.reason, r.payload) for r in rejected])
-    known = set(store.query("SELECT problem_id FROM problems WHERE run_id = ?", [run_id]).column("problem_id")
-                .to_pylist())
+    known = store.known_problems(run_id, [p.problem_id for p in problems])
     return store.add_problems(run_id, [p for p in problems if p.problem_id not in known])
 
 

@@ -65,6 +65,36 @@ def test_exactly_once_commit(store):
     assert stale == [0, 0]
 
 
+def test_groups_of_several_agents_in_one_query_match_one_agent_at_a_time(store):
+    for k in range(3):
+        _finish(store, _group(store, f"s{k}"))
+    _finish(store, _group(store, "v0", agent="verifier", turn=1))
+    _group(store, "v1", agent="verifier", turn=1)  # not rewarded: not trainable
+    store.commit_step(RUN, 1, {"solver": [f"s0-{i}" for i in range(2)]}, "ckpt/1")
+    both = store.trainable_groups_by_agent(RUN, ["solver", "verifier", "corrector"], limit=1)
+    assert {a: [g.group_id for g in gs] for a, gs in both.items()} == {"solver": ["s1"], "verifier": ["v0"],
+                                                                      "corrector": []}
+    unlimited = store.trainable_groups_by_agent(RUN, ["solver", "verifier"])
+    for agent in ("solver", "verifier"):
+        assert [(g.group_id, g.sample_ids) for g in unlimited[agent]] == \
+            [(g.group_id, g.sample_ids) for g in store.trainable_groups(RUN, agent)]
+    assert [g.group_id for g in unlimited["solver"]] == ["s1", "s2"]
+
+
+def test_reads_of_a_batch_are_filtered_to_its_problems(store):
+    store.add_problems(RUN, [type("P", (), dict(problem_id=p, prompt="q", answer="1", source="t"))()
+                             for p in ("a", "b")])
+    assert store.known_problems(RUN, ["b", "c"]) == {"b"}
+    store.append(RUN, samples=[SampleRow("x", "a", "solver", 0, "gx", 1, [1]),
+                               SampleRow("y", "b", "solver", 0, "gy", 1, [1]),
+                               SampleRow("z", "b", "verifier", 1, "gz", 1, [1], "y")])
+    _finish(store, ["y"])
+    rows = store.samples_of_problems(RUN, ["b"])
+    assert [(r["sample_id"], r["turn"], r["parent_sample_id"], r["rewarded"]) for r in rows] == \
+        [("y", 0, None, True), ("z", 1, "y", False)]
+    assert store.samples_of_problems("another-run", ["b"]) == []
+
+
 def test_views_answer_the_users_questions(store):
     ids = _group(store, "g")
     _finish(store, ids)
