@@ -1,7 +1,8 @@
 """Training loops that couple the rollout scheduler and the learner in one process.
 
-- `pipelined` (MarsRL): the learner runs in its own thread, polling the store for complete groups
-  and training on them as soon as `groups_per_step` of some agent are ready, while the scheduler
+- `pipelined` (MarsRL): the learner runs in its own thread, querying the store for complete groups
+  after each rollout stage's append (not on a timer: a query scans the run, and the two threads share
+  the CPU) and training on them as soon as `groups_per_step` of some agent are ready, while the scheduler
   keeps decoding segments; each new version is offered to the scheduler, which applies it at a stage
   boundary within the staleness bound. torch releases the GIL in its kernels, so both use the CPU.
 - `synchronous` (the baseline): decode a whole batch of trajectories to their end, then train on
@@ -70,16 +71,18 @@ def run_pipelined(scheduler: RolloutScheduler, learner: Learner, max_steps: int,
     store, run_id = learner.store, learner.run_id
     per_agent = learner.cfg.learner.groups_per_step
     rollout_done = threading.Event()
+    stage_appended = threading.Event()  # new rewards can only appear when a stage has appended
     failure: list[BaseException] = []
 
     def learn() -> None:
         try:
             while learner.step < max_steps:
+                stage_appended.clear()  # cleared before the query: an append after it wakes the wait below
                 groups = ready_groups(store, run_id, per_agent, flush=rollout_done.is_set())
                 if not groups:
                     if rollout_done.is_set():
                         return
-                    time.sleep(0.02)
+                    stage_appended.wait(timeout=1.0)
                     continue
                 start = time.perf_counter()
                 report = learner.train_step(groups)
@@ -98,10 +101,12 @@ def run_pipelined(scheduler: RolloutScheduler, learner: Learner, max_steps: int,
         while thread.is_alive() and not scheduler.finished():
             t = time.perf_counter()
             scheduler.stage()
+            stage_appended.set()
             result.rollout_busy_s += time.perf_counter() - t
             result.stages += 1
     finally:
         rollout_done.set()
+        stage_appended.set()
         thread.join()
     if failure:
         raise failure[0]
