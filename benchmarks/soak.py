@@ -8,8 +8,10 @@ writes a `stop_requested` run event: the rollout stops before its next batch and
 finished, the learner trains on what is left and stops; both record their store lock retries.
 
 Reports: store rows per table, policy versions, lock retries per process, RSS at the start (after
-the first learner step) and at the end with the growth in between (goal: flat), and any error.
-Writes benchmarks/results/soak.json with duration_s, rows, versions, lock_retries, rss_mb, errors.
+the first learner step) and at the end with the growth in between, and its slope over the second
+half (goal: flat), the run's disk use (it keeps the 3 newest checkpoints and logs every 100th to
+MLflow), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
+lock_retries, rss_mb, disk_mb, errors.
 
 Run: `python benchmarks/soak.py --minutes 10`.
 """
@@ -53,10 +55,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="marsrl-soak-"))
     config = {
         "store": {"catalog_url": f"sqlite:{work}/lake.sqlite", "data_path": f"{work}/data"},
-        "output_dir": f"{work}/out", "tracking": {"mlflow_tracking_uri": f"sqlite:///{work}/mlflow.db"},
+        "output_dir": f"{work}/out",
         "rollout": {"problems_per_batch": 8, "segment_tokens": 32},
         "data": {"num_batches": 100_000},
-        "learner": {"groups_per_step": 4, "max_steps": 1_000_000},
+        "learner": {"groups_per_step": 4, "max_steps": 1_000_000, "save_total_limit": 3},
+        "tracking": {"mlflow_tracking_uri": f"sqlite:///{work}/mlflow.db", "log_checkpoint_steps": 100},
     }
     (work / "soak.yaml").write_text(yaml.safe_dump(config))
     base = [sys.executable, "-m", "flows.cli"]
@@ -110,15 +113,30 @@ def main() -> None:
         name, _, n = row["detail"].partition(":")
         retries[name] = int(n)
     steady = samples[first_step_at or 0:] or samples
-    rss = {name: {"start": steady[0][i], "end": steady[-1][i], "growth": steady[-1][i] - steady[0][i]}
+    half = steady[len(steady) // 2:]  # the second half: past start-up and warm-up
+
+    def per_minute(series: list, i: int) -> float:
+        """Least-squares slope of RSS over time, MB per minute."""
+        t = [row[0] for row in series]
+        y = [row[i] for row in series]
+        mt, my = sum(t) / len(t), sum(y) / len(y)
+        var = sum((a - mt) ** 2 for a in t)
+        return 60 * sum((a - mt) * (b - my) for a, b in zip(t, y)) / var if var else 0.0
+
+    rss = {name: {"start": steady[0][i], "end": steady[-1][i], "growth": steady[-1][i] - steady[0][i],
+                  "mb_per_min_second_half": per_minute(half, i)}
            for i, name in ((1, "rollout"), (2, "learner"), (3, "rollout (no children)"), (4, "learner (no children)"))}
+    disk_mb = sum(f.stat().st_size for f in work.rglob("*") if f.is_file()) / 2**20
     versions = store.latest_version(RUN)
     figures = {"duration_s": duration, "rows": rows, "versions": versions[0] if versions else 0,
-               "lock_retries": retries, "rss_mb": rss, "errors": errors, "samples": samples}
+               "lock_retries": retries, "rss_mb": rss, "disk_mb": disk_mb, "errors": errors, "samples": samples}
     print_rows("soak: store rows", ["table", "rows"], [[t, n] for t, n in rows.items()])
-    print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB", "lock retries"],
-               [[name, r["start"], r["end"], r["growth"], retries.get(name, "")] for name, r in rss.items()])
-    print(f"duration {duration:.0f} s, policy versions {figures['versions']}, errors: {errors or 'none'}")
+    print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB",
+                                   "MB/min, 2nd half", "lock retries"],
+               [[name, r["start"], r["end"], r["growth"], r["mb_per_min_second_half"], retries.get(name, "")]
+                for name, r in rss.items()])
+    print(f"duration {duration:.0f} s, policy versions {figures['versions']}, disk {disk_mb:.0f} MB "
+          f"(store, checkpoints kept: 3, MLflow), errors: {errors or 'none'}")
     print(f"written to {write_results('soak', figures)}; logs in {work}")
 
 

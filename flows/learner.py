@@ -29,4 +29,5 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
             break
         else:
             time.sleep(poll_s)
+    learner.log_newest_checkpoint()
     return learner.step

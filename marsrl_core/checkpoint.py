@@ -7,7 +7,7 @@ scheduler state, Python RNG, step) in `trainer_state.json`. Nothing is ever unpi
 
 It is written to a temporary folder and renamed into place when complete, so a folder named `v<v>`
 is always whole. Folders of versions the store never committed, and temporary folders, are cleaned
-up on resume.
+up on resume; `prune_checkpoints` keeps only the newest folders (`learner.save_total_limit`).
 
 Deliberate simplification: the optimizer is flattened per parameter index; this supports AdamW (and
 any optimizer whose state is tensors and numbers), which is all the learner uses.
@@ -143,6 +143,20 @@ def clean_uncommitted(root: Path, committed_version: int | None) -> list[Path]:
         if path.name.startswith("tmp-") or newer:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+    return removed
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest version folders. Each is first renamed to a temporary name, so
+    a crash half-way through a deletion leaves no partial `v<v>` folder (resume removes `tmp-*`)."""
+    root = Path(root)
+    versions = sorted((int(m.group(1)), path) for path in root.iterdir() if (m := re.fullmatch(r"v(\d+)", path.name)))
+    removed = []
+    for _, path in versions[:-keep] if keep else versions:
+        doomed = path.with_name(f"tmp-delete-{path.name}-{uuid.uuid4().hex[:8]}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
     return removed
 
 

@@ -124,6 +124,10 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory on long samples.")
     groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
     max_steps: int = Field(100, ge=1, description="Learner steps in a training run.")
+    save_total_limit: int | None = Field(
+        None, ge=1, description="Newest checkpoint folders kept on disk (older ones are deleted after each commit; "
+        "None keeps all, as in transformers). Engines load only the newest version and a resume the last "
+        "committed one, so a small limit is safe; every version is still a row in the store.")
 
 
 class DataConfig(_Section):
@@ -193,6 +197,9 @@ class TrackingConfig(_Section):
     )
     experiment_name: str = Field("marsrl", description="MLflow experiment.")
     registered_model_name: str = Field("marsrl-policy", description="Registered model holding the newest policy alias.")
+    log_checkpoint_steps: int = Field(
+        1, ge=0, description="Log every n-th published checkpoint to MLflow (artifacts and a registered-model "
+        "version; 0 never). Each is a full copy of the weights, so a long run logs a few, not every step.")
 
 
 class MarsRLConfig(_Section):

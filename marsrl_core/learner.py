@@ -33,7 +33,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from marsrl_core.algorithms import chunked_logprobs, group_advantages, policy_loss
-from marsrl_core.checkpoint import clean_uncommitted, load_checkpoint, save_checkpoint, version_folder
+from marsrl_core.checkpoint import (clean_uncommitted, load_checkpoint, prune_checkpoints, save_checkpoint,
+                                   version_folder)
 from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.faults import crash_point
 from marsrl_core.store import SegmentStore, StoredSample, TrainableGroup
@@ -81,6 +82,7 @@ class Learner:
         self.reference = _load_model(start_folder, cfg).eval() if lc.beta > 0 else None
         self.temperature = cfg.rollout.temperature or 1.0
         self.step = 0
+        self.logged_version = 0  # newest version logged to MLflow
 
     def policy_name(self, agent: str) -> str:
         return "policy" if "policy" in self.models else agent
@@ -227,8 +229,19 @@ class Learner:
         self.store.commit_step(self.run_id, self.step, consumed, str(folder), mlflow_run, metrics)
         if self.tracker is not None:
             self.tracker.log_step(self.step, metrics)
-            self.tracker.log_checkpoint(folder, self.step)
+            every = self.cfg.tracking.log_checkpoint_steps
+            if every and self.step % every == 0:
+                self.tracker.log_checkpoint(folder, self.step)
+                self.logged_version = self.step
+        if self.cfg.learner.save_total_limit:  # only after the commit: the newest committed version stays
+            prune_checkpoints(self.checkpoint_root, self.cfg.learner.save_total_limit)
         return folder
+
+    def log_newest_checkpoint(self) -> None:
+        """At the end of a run: log the newest version to MLflow if `log_checkpoint_steps` skipped it."""
+        if self.tracker is not None and self.cfg.tracking.log_checkpoint_steps and self.step > self.logged_version:
+            self.tracker.log_checkpoint(version_folder(self.checkpoint_root, self.step), self.step)
+            self.logged_version = self.step
 
     def state_dict(self, agent: str) -> dict[str, torch.Tensor]:
         """The current weights of `agent`'s policy, for an in-process engine update."""

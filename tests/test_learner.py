@@ -163,6 +163,37 @@ def test_mlflow_holds_metrics_and_a_loadable_checkpoint(folder, tmp_path, monkey
     assert store.latest_version(RUN)[0] == 2
 
 
+def test_a_long_run_keeps_the_newest_checkpoints_and_logs_every_nth(folder, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from marsrl_core.checkpoint import load_checkpoint
+    from marsrl_core.tracking import NEWEST_ALIAS, Tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = load_config("tiny", None, [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
+                                     f"store.data_path={tmp_path}/data", "learner.save_total_limit=2",
+                                     "tracking.log_checkpoint_steps=2",
+                                     f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    store = SegmentStore.from_config(cfg.store)
+    tracker = Tracker(cfg.tracking, "retention", cfg.model_dump(mode="json"))
+    learner, engine = _learner(cfg, store, folder, tmp_path, tracker=tracker)
+    for seed in range(5):
+        learner.train_step(sample_groups(engine, store, RUN, "solver", "S|1|", groups=1, size=4, seed=seed,
+                                         reward_fn=digit_fraction))
+    root = tmp_path / f"ckpt-{RUN}"
+    assert sorted(p.name for p in root.iterdir()) == ["v4", "v5"]  # no v1-v3, no half-deleted tmp folder
+    model = learner.models["policy"]
+    assert load_checkpoint(root / "v5", {"policy": model}, learner.optimizers, learner.schedulers) == 5
+    assert store.count("policy_versions", RUN) == 5  # every version is still recorded
+    client = MlflowClient(tracking_uri=cfg.tracking.mlflow_tracking_uri)
+    logged = lambda: sorted(a.path for a in client.list_artifacts(tracker.run_id, "checkpoints"))  # noqa: E731
+    assert logged() == ["checkpoints/v2", "checkpoints/v4"]
+    learner.log_newest_checkpoint()  # the end of the run logs the newest, which step 5 skipped
+    assert logged() == ["checkpoints/v2", "checkpoints/v4", "checkpoints/v5"]
+    newest = client.get_model_version_by_alias(cfg.tracking.registered_model_name, NEWEST_ALIAS)
+    assert newest.source.endswith("checkpoints/v5")
+
+
 def test_a_step_that_fails_to_publish_is_not_trained_twice(folder, tmp_path, monkeypatch):
     from marsrl_core import workers
 
