@@ -23,7 +23,6 @@ from marsrl_core import cli as core_cli
 from marsrl_core.config import ConfigError
 from marsrl_core.jobs import print_report, train_summary
 
-STOP_REQUESTED = "stop_requested"  # run event: `marsrl rollout` stops before its next batch
 STORE_LOCK_RETRIES = "store_lock_retries"  # run event written when a split-run process ends: "<process>:<n>"
 
 
@@ -94,19 +93,12 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from flows.learner import ROLLOUTS_FINISHED
-    from flows.rollout import rollout_flow
+    from flows.rollout import rollouts_flow
     from marsrl_core import workers
 
     cfg = core_cli._config(args)
-    workers.start_run(cfg, args.run_id)
-    for batch in args.batches or range(cfg.data.num_batches):
-        if workers.store_for(cfg).has_event(args.run_id, STOP_REQUESTED):
-            break
-        rollout_flow(cfg, args.run_id, batch)
+    rollouts_flow(cfg, args.run_id, args.batches or None, finish=args.finish)
     store = workers.store_for(cfg)
-    if args.finish:
-        store.mark(args.run_id, ROLLOUTS_FINISHED)
     store.mark(args.run_id, STORE_LOCK_RETRIES, f"rollout:{store.lock_retries}")
     return 0
 

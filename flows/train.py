@@ -21,18 +21,21 @@ from flows.evaluate import evaluate_flow
 from flows.learner import ROLLOUTS_FINISHED, learner_flow
 from flows.rollout import rollout_flow
 from flows.sft import sft_flow
+from flows.subflows import parent_heartbeat_only
 from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
 
 
 @task(name="run-rollout-flow", cache_policy=NO_CACHE)
 def _rollout(config: MarsRLConfig, run_id: str, batch_index: int):
-    return rollout_flow(config, run_id, batch_index)
+    with parent_heartbeat_only():
+        return rollout_flow(config, run_id, batch_index)
 
 
 @task(name="run-learner-flow", cache_policy=NO_CACHE)
 def _learner(config: MarsRLConfig, run_id: str) -> int:
-    return learner_flow(config, run_id)
+    with parent_heartbeat_only():
+        return learner_flow(config, run_id)
 
 
 @flow(name="train", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
@@ -50,8 +53,9 @@ def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = Non
     pending = [b for b in range(config.data.num_batches) if not store.has_event(run_id, workers.batch_done_event(b))]
     if config.rollout.synchronous:  # the baseline: whole batches decoded, then trained on, in turn
         for batch in pending:
-            rollout_flow(config, run_id, batch)
-            learner_flow(config, run_id, idle_timeout_s=0.0)
+            with parent_heartbeat_only():
+                rollout_flow(config, run_id, batch)
+                learner_flow(config, run_id, idle_timeout_s=0.0)
         store.mark(run_id, ROLLOUTS_FINISHED)
         result["learner_steps"] = steps = learner_flow(config, run_id)
     else:

@@ -219,6 +219,9 @@ def resumed_config(cfg: MarsRLConfig, run_id: str) -> MarsRLConfig:
     return build_config(stored)
 
 
+STOP_REQUESTED = "stop_requested"  # run event: a split run's rollout side stops before its next batch
+
+
 def batch_done_event(batch_index: int) -> str:
     return f"batch_done:{batch_index}"
 
