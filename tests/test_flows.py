@@ -18,13 +18,42 @@ def test_rollout_flow_is_a_dag_of_agent_turns(tmp_path):
     from flows.rollout import rollout_flow
     from marsrl_core.store import SegmentStore
 
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
     cfg = small_config(tmp_path)
-    results = rollout_flow(cfg, "r1", 0)
+    state = rollout_flow(cfg, "r1", 0, return_state=True)
+    results = state.result()
     assert len(results) == 3 and results[0]["finished"] == 2 * 4
+    # The DAG's edges: each turn's task run waits for the one before it (record-batch first).
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    by_id = {r.id: r for r in runs}
+    names = {r.name.rsplit("-", 1)[0]: r for r in runs}
+    assert set(names) == {"record-batch", "solver-turn0", "verifier-turn1", "corrector-turn2"}
+    for before, after in (("record-batch", "solver-turn0"), ("solver-turn0", "verifier-turn1"),
+                          ("verifier-turn1", "corrector-turn2")):
+        upstream = [by_id[i.id].name for i in names[after].task_inputs["wait_for"]]
+        assert upstream == [names[before].name]
     store = SegmentStore.from_config(cfg.store)
     turns = store.query("SELECT turn, count(*) AS n FROM samples GROUP BY 1 ORDER BY 1").to_pylist()
     assert turns[0] == {"turn": 0, "n": 8} and turns[1]["n"] == 2 * 2 * 2
     assert store.count("rewards", "r1") == store.count("samples", "r1")
+
+
+def test_rollouts_flow_stops_before_the_next_batch_when_asked(tmp_path):
+    from flows.learner import ROLLOUTS_FINISHED
+    from flows.rollout import rollouts_flow
+    from marsrl_core import workers
+
+    cfg = small_config(tmp_path)
+    assert rollouts_flow(cfg, "s1", [0], finish=False)["batches"] == 1
+    store = workers.store_for(cfg)
+    decoded = store.count("segments", "s1")
+    assert decoded > 0 and not store.has_event("s1", ROLLOUTS_FINISHED)
+    store.mark("s1", workers.STOP_REQUESTED)
+    assert rollouts_flow(cfg, "s1", [1, 2], finish=True) == {"batches": 0, "stages": 0}
+    assert store.count("segments", "s1") == decoded and store.has_event("s1", ROLLOUTS_FINISHED)
 
 
 def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
