@@ -1,14 +1,15 @@
 """The rollout flow: one problem batch as a DAG of Solver -> Verifier -> Corrector -> Verifier ->
 Corrector tasks. Each task decodes its turn segment by segment through the process's shared engine;
-several rollout flows running at once share its segment batches (the agentic pipeline)."""
+several rollout flows running at once share its segment batches (the agentic pipeline). The
+`rollouts` flow runs batches one after another as its subflows (the rollout side of a split run)."""
 
 from __future__ import annotations
 
 from prefect import flow
 
+from flows.subflows import parent_heartbeat_only
 from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
-from flows.subflows import parent_heartbeat_only
 from marsrl_core.rollout import agent_of_turn
 from tasks.rollout import record_batch, rollout_turn
 
