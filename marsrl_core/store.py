@@ -20,7 +20,7 @@ rolled back and retried with jittered exponential backoff (counted in `lock_retr
 conflict logically, so a retry always converges.
 
 Deliberate simplifications: one DuckDB connection per Store guarded by a lock (tasks in threads
-share it), reopened every `RECONNECT_EVERY` operations to release what DuckLake holds per query; unknown-sample checks use a bounded in-process cache and fall back to one query.
+share it); unknown-sample checks use a bounded in-process cache and fall back to one query.
 """
 
 from __future__ import annotations
@@ -46,10 +46,6 @@ from marsrl_core.store_schema import ARROW_SCHEMAS, table_ddl, view_ddl
 
 CATALOG = "lake"
 KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown-id checks
-# DuckLake (extension 1.5.5) keeps a little memory per query over lake tables for as long as the
-# connection lives (about 5-20 KB per trainable-groups query here, growing with the run's files;
-# upstream: duckdb/ducklake#1146, #852). A fresh connection every this many operations releases it.
-RECONNECT_EVERY = 1000
 _TRANSIENT = ("database is locked", "conflict", "failed to commit", "busy", "could not serialize")
 
 
@@ -166,15 +162,11 @@ def _as_array(values: Any, kind: str, name: str) -> np.ndarray:
 class SegmentStore:
     """The DuckLake segment store. Open one per process; it is safe to share between threads."""
 
-    def __init__(self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True,
-                 reconnect_every: int = RECONNECT_EVERY):
+    def __init__(self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True):
         self.catalog_url = catalog_url
         self.data_path = data_path
         self.max_retries = max_retries
         self.lock_retries = 0
-        self.reconnect_every = reconnect_every
-        self.reconnects = 0
-        self._operations = 0  # reads and transactions on the current connection
         self._lock = threading.RLock()
         self._known_samples: set[tuple[str, str]] = set()  # (run_id, sample_id) seen in the store
         self._con = self._connect(create)
@@ -244,15 +236,6 @@ class SegmentStore:
         with self._lock:
             self._con.close()
 
-    def _count_operation(self) -> None:
-        """Call with the lock held, outside a transaction: reopen the connection when it is due."""
-        self._operations += 1
-        if self.reconnect_every and self._operations > self.reconnect_every:
-            self._operations = 0
-            self._con.close()
-            self._connect(create=False)
-            self.reconnects += 1
-
     # ------------------------------------------------------------------ retrying primitives
     def _retry(self, operation: Callable[[], Any]) -> Any:
         for attempt in range(self.max_retries + 1):
@@ -270,7 +253,6 @@ class SegmentStore:
 
         def attempt() -> Any:
             with self._lock:
-                self._count_operation()
                 self._con.execute("BEGIN TRANSACTION")
                 try:
                     result = body(self._con)
@@ -288,7 +270,6 @@ class SegmentStore:
     def _read(self, sql: str, params: Sequence[Any] = (), tables: dict[str, pa.Table] | None = None) -> pa.Table:
         def attempt() -> pa.Table:
             with self._lock:
-                self._count_operation()
                 for name, table in (tables or {}).items():
                     self._con.register(name, table)
                 try:
@@ -644,7 +625,6 @@ class SegmentStore:
         """Run any SQL with the lake as the default catalog (tables and views unqualified)."""
         def attempt() -> pa.Table:
             with self._lock:
-                self._count_operation()
                 self._con.execute(f"USE {CATALOG}")
                 try:
                     result = self._con.execute(sql, list(params))

@@ -95,20 +95,6 @@ def test_reads_of_a_batch_are_filtered_to_its_problems(store):
     assert store.samples_of_problems("another-run", ["b"]) == []
 
 
-def test_the_connection_is_reopened_periodically_and_nothing_is_lost(tmp_path):
-    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", str(tmp_path / "data"), reconnect_every=3)
-    ids = []
-    for k in range(6):
-        ids += _group(store, f"g{k}")
-        _finish(store, ids[-2:])
-        assert len(store.trainable_groups(RUN, "solver")) == k + 1
-    assert store.reconnects >= 5
-    store.commit_step(RUN, 1, {"solver": ids[:2]}, "ckpt/1")
-    assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == [f"g{k}" for k in range(1, 6)]
-    assert store.load_samples(RUN, ids)[ids[-1]].token_ids.tolist() == [1]
-    assert store.count("segments", RUN) == 12
-
-
 def test_views_answer_the_users_questions(store):
     ids = _group(store, "g")
     _finish(store, ids)
