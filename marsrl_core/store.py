@@ -130,6 +130,12 @@ def _extension_files() -> dict[str, str]:
     return found
 
 
+def _key_table(column: str, values: Iterable[str]) -> pa.Table:
+    """A one-column table of string keys, registered beside a query to join against (an IN list of
+    thousands of bound parameters is slow)."""
+    return pa.table({column: pa.array(list(values), pa.string())})
+
+
 def _is_transient(err: Exception) -> bool:
     text = str(err).lower()
     return any(marker in text for marker in _TRANSIENT)
@@ -416,7 +422,7 @@ class SegmentStore:
              "agent": list(metric_rows), "metrics_json": [json.dumps(m) for m in metric_rows.values()]},
             schema=ARROW_SCHEMAS["train_steps"],
         )
-        ids_table = pa.table({"sample_id": pa.array(ids, pa.string())})
+        ids_table = _key_table("sample_id", ids)
 
         def body(con: duckdb.DuckDBPyConnection) -> None:
             con.register("_step_ids", ids_table)
@@ -452,7 +458,7 @@ class SegmentStore:
             return
         found = self._read(
             f"SELECT DISTINCT s.sample_id FROM {CATALOG}.samples s JOIN _ids USING (sample_id) WHERE s.run_id = ?",
-            [run_id], {"_ids": pa.table({"sample_id": pa.array(sorted(unknown), pa.string())})},
+            [run_id], {"_ids": _key_table("sample_id", sorted(unknown))},
         ).column("sample_id").to_pylist()
         self._remember(run_id, found)
         missing = unknown - set(found)
@@ -534,7 +540,7 @@ class SegmentStore:
                                   limit: int | None = None) -> dict[str, list[TrainableGroup]]:
         """`trainable_groups` of several agents (at most `limit` each) in one query: the learner polls
         this, so it scans the run's samples, rewards and consumptions once, not once per agent."""
-        agent_table = pa.table({"agent": pa.array(list(agents), pa.string())})
+        agent_table = _key_table("agent", agents)
         sql = f"""
             WITH members AS (
                 SELECT s.agent, s.group_id, s.sample_id, s.group_size, r.created_at AS done_at
@@ -562,7 +568,7 @@ class SegmentStore:
 
     def load_samples(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, StoredSample]:
         """Rebuild samples (prompt, tokens, behaviour log-probs, versions) from their segments."""
-        ids = pa.table({"sample_id": pa.array(list(sample_ids), pa.string())})
+        ids = _key_table("sample_id", sample_ids)
         meta = self._read(
             f"""SELECT s.sample_id, s.agent, s.group_id, s.prompt_tokens, r.reward, r.parsed
                 FROM {CATALOG}.samples s JOIN _ids USING (sample_id)
@@ -599,7 +605,7 @@ class SegmentStore:
         """The stored samples of these problems (ids, agent, turn, group, parent, rewarded or not), by turn.
 
         Filtered in SQL, so a rollout task's cost does not grow with the run's size."""
-        ids = pa.table({"problem_id": pa.array(list(problem_ids), pa.string())})
+        ids = _key_table("problem_id", problem_ids)
         return self._read(
             f"""SELECT s.sample_id, s.problem_id, s.agent, s.turn, s.group_id, s.parent_sample_id,
                        EXISTS (SELECT 1 FROM {CATALOG}.rewards r
@@ -609,7 +615,7 @@ class SegmentStore:
 
     def known_problems(self, run_id: str, problem_ids: Sequence[str]) -> set[str]:
         """Which of these problem ids the run has recorded already."""
-        ids = pa.table({"problem_id": pa.array(list(problem_ids), pa.string())})
+        ids = _key_table("problem_id", problem_ids)
         return set(self._read(
             f"SELECT DISTINCT p.problem_id FROM {CATALOG}.problems p JOIN _ids USING (problem_id) WHERE p.run_id = ?",
             [run_id], {"_ids": ids}).column("problem_id").to_pylist())
