@@ -131,32 +131,36 @@ def load_checkpoint(folder: Path, models: dict[str, Any], optimizers: dict[str, 
     return int(meta["step"])
 
 
+def _version_folders(root: Path) -> list[tuple[int, Path]]:
+    """The `v<v>` folders under `root` with their versions, oldest first."""
+    if not root.exists():
+        return []
+    return sorted((int(m.group(1)), path) for path in root.iterdir() if (m := re.fullmatch(r"v(\d+)", path.name)))
+
+
 def clean_uncommitted(root: Path, committed_version: int | None) -> list[Path]:
     """Delete temporary folders and version folders newer than the last committed version."""
     root = Path(root)
-    removed = []
     if not root.exists():
-        return removed
-    for path in root.iterdir():
-        match = re.fullmatch(r"v(\d+)", path.name)
-        newer = match and (committed_version is None or int(match.group(1)) > committed_version)
-        if path.name.startswith("tmp-") or newer:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+        return []
+    removed = [path for path in root.iterdir() if path.name.startswith("tmp-")]
+    removed += [path for version, path in _version_folders(root)
+                if committed_version is None or version > committed_version]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
 def prune_checkpoints(root: Path, keep: int) -> list[Path]:
-    """Delete all but the `keep` newest version folders. Each is first renamed to a temporary name, so
-    a crash half-way through a deletion leaves no partial `v<v>` folder (resume removes `tmp-*`)."""
-    root = Path(root)
-    versions = sorted((int(m.group(1)), path) for path in root.iterdir() if (m := re.fullmatch(r"v(\d+)", path.name)))
-    removed = []
-    for _, path in versions[:-keep] if keep else versions:
+    """Delete all but the `keep` (>= 1) newest version folders. Each is first renamed to a temporary
+    name, so a crash half-way through a deletion leaves no partial `v<v>` folder (resume removes `tmp-*`)."""
+    if keep < 1:
+        raise CheckpointError(f"prune_checkpoints(keep={keep}): must keep at least the newest version")
+    removed = [path for _, path in _version_folders(Path(root))[:-keep]]
+    for path in removed:
         doomed = path.with_name(f"tmp-delete-{path.name}-{uuid.uuid4().hex[:8]}")
         os.replace(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
-        removed.append(path)
     return removed
 
 
