@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
 from flows.cli import STORE_LOCK_RETRIES  # noqa: E402
-from marsrl_core.workers import STOP_REQUESTED  # noqa: E402
 from marsrl_core.store import SegmentStore  # noqa: E402
+from marsrl_core.workers import STOP_REQUESTED  # noqa: E402
 
 RUN = "soak"
 
