@@ -5,8 +5,9 @@ subflow per batch, a DAG of agent-turn tasks), side by side.
 The first flow in a process starts Prefect's temporary server (~15-20 s here); a warm-up flow runs
 first so that start-up is not counted. The parent flow's own start and end (~1 s: its heartbeat
 thread is joined) are counted, spread over the six batches. The two paths alternate, three times
-each, and the medians are compared (this machine is shared and noisy). Run: `python benchmarks/prefect_overhead.py`. Writes
-benchmarks/results/prefect_overhead.json with overhead_per_stage_s, stage_s and overhead_fraction.
+each, and the medians are compared (this machine is shared and noisy).
+Run: `python benchmarks/prefect_overhead.py`. Writes benchmarks/results/prefect_overhead.json with
+overhead_per_stage_s, stage_s and overhead_fraction.
 """
 
 from __future__ import annotations
