@@ -6,7 +6,8 @@
 2. At paper scale, with the discrete-event model in `marsrl_core/simulate.py` (its docstring states
    the assumptions): the speed-up, utilisations, and how they move with segment size and staleness.
 
-Run: `python benchmarks/pipeline_bench.py`. Writes benchmarks/results/pipeline.json with cpu_speedup
+Run: `python benchmarks/pipeline_bench.py` (`--hidden-size 256` or `--hidden-size 512 --num-layers 4`
+for wider models). Writes benchmarks/results/pipeline.json with cpu_speedup
 (synchronous wall-clock over pipelined), sim_speedup_paper_scale, and the sweeps.
 """
 
@@ -64,12 +65,19 @@ def cpu_run(root: Path, folder: Path, synchronous: bool, repeat: int = 0) -> dic
 
 
 def main() -> None:
+    import argparse
+
     import torch
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden-size", type=int, default=128, help="Width of the model (the tiny default: 128).")
+    parser.add_argument("--num-layers", type=int, default=2, help="Layers of the model (the tiny default: 2).")
+    args = parser.parse_args()
     torch.set_num_threads(1)  # both variants: one intra-op thread per worker, so overlap can use the 2nd core
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        folder = build_tiny_model(root / "model", max_position_embeddings=512)
+        folder = build_tiny_model(root / "model", hidden_size=args.hidden_size, num_layers=args.num_layers,
+                                  max_position_embeddings=512)
         runs: dict[str, list[dict]] = {"sync": [], "pipe": []}
         for repeat in range(REPEATS):  # alternated, so that load on this shared machine hits both alike
             runs["sync"].append(cpu_run(root, folder, True, repeat))
@@ -101,6 +109,7 @@ def main() -> None:
     print_rows("simulated speed-up by batches in flight", ["batches", "speed-up"], [[k, v] for k, v in in_flight.items()])
     path = write_results("pipeline", {
         "cpu_speedup": cpu_speedup, "cpu_synchronous": sync, "cpu_pipelined": pipe,
+        "cpu_model": {"hidden_size": args.hidden_size, "num_layers": args.num_layers},
         "cpu_speedup_each_run": [s["wall_clock_s"] / p["wall_clock_s"] for s, p in zip(runs["sync"], runs["pipe"])],
         "sim_speedup_paper_scale": paper["speedup"], "sim_paper_scale": paper,
         "sim_speedup_by_segment_tokens": segments, "sim_speedup_by_max_staleness": staleness,
