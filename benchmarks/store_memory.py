@@ -1,0 +1,76 @@
+"""Store memory per query: resident memory (RSS) growth of one process repeating one read many times.
+
+Each variant opens a fresh DuckLake store (SQLite catalog) with 30 batches of 64 finished samples
+appended (about 60 data files), then repeats one read 2,000 times on the unchanging store:
+`select_1` (`SELECT 1`, no lake table), `lake_count` (a count over the samples table), and
+`trainable_groups` (the learner's poll, three lake tables, one registered Arrow key table). Growth is
+RSS after the last call minus RSS after the first 250 (past warm-up), per call. It is how the soak's
+remaining memory growth was traced to queries over lake tables.
+
+Run: `python benchmarks/store_memory.py`. Writes benchmarks/results/store_memory.json with, per
+variant, rss_start_mb, rss_end_mb and kb_per_query. Each variant runs in its own process.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from benchmarks.common import print_rows, write_results  # noqa: E402
+
+CALLS, WARMUP = 2000, 250
+VARIANTS = ("select_1", "lake_count", "trainable_groups")
+
+
+def measure(variant: str) -> dict[str, float]:
+    import psutil
+
+    from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = SegmentStore(f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
+        for b in range(30):
+            rows = [SampleRow(uuid.uuid4().hex, f"b{b}", "solver", 0, f"g{b}-{i // 16}", 16, [1, 2, 3])
+                    for i in range(64)]
+            store.append("r", samples=rows)
+            store.append("r", segments=[SegmentRow(r.sample_id, 0, [1] * 20, [-0.1] * 20, 0, "stop") for r in rows],
+                         rewards=[RewardRow(r.sample_id, 1.0, True) for r in rows])
+        reads = {
+            "select_1": lambda: store.query("SELECT 1"),
+            "lake_count": lambda: store.count("samples", "r"),
+            "trainable_groups": lambda: store.trainable_groups_by_agent("r", ["solver", "verifier", "corrector"], 4),
+        }
+        process, rss = psutil.Process(), {}
+        for call in range(1, CALLS + 1):
+            reads[variant]()
+            if call in (WARMUP, CALLS):
+                gc.collect()
+                rss[call] = process.memory_info().rss / 2**20
+    return {"rss_start_mb": rss[WARMUP], "rss_end_mb": rss[CALLS],
+            "kb_per_query": (rss[CALLS] - rss[WARMUP]) * 1024 / (CALLS - WARMUP)}
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--variant":  # the child process of one variant
+        print(json.dumps(measure(sys.argv[2])))
+        return
+    figures = {}
+    for variant in VARIANTS:
+        out = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
+                             check=True).stdout.strip().splitlines()[-1]
+        figures[variant] = json.loads(out)
+    print_rows(f"RSS growth over {CALLS - WARMUP} repeated reads of an unchanging store", ["read", "RSS after warm-up MB",
+               "RSS at end MB", "KB per query"],
+               [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_query"]] for v, f in figures.items()])
+    print(f"written to {write_results('store_memory', figures)}")
+
+
+if __name__ == "__main__":
+    main()
