@@ -108,6 +108,8 @@ def main() -> None:
     duration = time.monotonic() - start
     tables = ("problems", "samples", "segments", "rewards", "consumptions", "policy_versions", "train_steps")
     rows = {t: store.count(t, RUN) for t in tables}
+    rows["consumptions dropped as stale"] = store.query(
+        "SELECT count(*) AS n FROM consumptions WHERE run_id = ? AND learner_step < 0", [RUN]).column("n")[0].as_py()
     retries = {}
     for row in store.query("SELECT detail FROM run_events WHERE run_id = ? AND event = ?",
                            [RUN, STORE_LOCK_RETRIES]).to_pylist():

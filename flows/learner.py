@@ -19,7 +19,7 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
                  idle_timeout_s: float = 3600.0) -> int:
     budget = max_steps or config.learner.max_steps
     learner = workers.learner_for(config, run_id, workers.tracker_for(config, run_id))
-    idle_since = time.monotonic()
+    idle_since, finished = time.monotonic(), False
     while learner.step < budget:
         finished = workers.store_for(config).has_event(run_id, ROLLOUTS_FINISHED)
         if workers.groups_ready(config, run_id, flush=finished):
@@ -29,5 +29,8 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
             break
         else:
             time.sleep(poll_s)
+    if finished and learner.step < budget:
+        print(f"learner stopped at step {learner.step} of {budget}: the rollouts finished and no complete group "
+              f"newer than learner.max_staleness={config.learner.max_staleness} versions is left")
     learner.log_newest_checkpoint()
     return learner.step

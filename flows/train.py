@@ -59,6 +59,10 @@ def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = Non
         store.mark(run_id, ROLLOUTS_FINISHED)
         result["learner_steps"] = steps = learner_flow(config, run_id)
     else:
+        # Build the learner (model, optimizer, MLflow run: seconds, more on a busy machine) before any
+        # rollout starts: rollouts that run ahead of a learner still starting up produce groups that
+        # are already past `learner.max_staleness` when it takes its first steps.
+        workers.learner_for(config, run_id, workers.tracker_for(config, run_id))
         learner = _learner.submit(config, run_id)
         running = []
         while pending or running:

@@ -124,6 +124,12 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory on long samples.")
     groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
     max_steps: int = Field(100, ge=1, description="Learner steps in a training run.")
+    max_staleness: int | None = Field(
+        4, ge=0, description="Most policy versions between a group's oldest token and the learner's current "
+        "policy for the group to be trained on; older complete groups are dropped untrained (recorded in the "
+        "store as consumptions with learner_step -1). Past the PPO clip a stale group gives almost no "
+        "gradient, and a learner that drains a backlog oldest-first trains on ever older data. None trains "
+        "on every group.")
     save_total_limit: int | None = Field(
         None, ge=1, description="Newest checkpoint folders kept on disk (older ones are deleted after each commit; "
         "None keeps all, as in transformers). Engines load only the newest version and a resume the last "

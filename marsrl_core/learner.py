@@ -11,6 +11,9 @@ One `train_step(groups)`:
 5. publishes version `step`: the checkpoint is written (temporary folder, then renamed), then the
    consumptions, the version row and the metrics commit in one store transaction.
 
+Groups flagged `stale` (older than `learner.max_staleness` policy versions, see `pipeline.ready_groups`)
+are not trained on: the step records them as dropped, so they are never offered again.
+
 Policies: `shared` (one model for all roles, the paper) or `per_agent` (a model, AdamW and warm-up
 schedule per agent). `resume()` restarts from the last committed version (weights, optimizers,
 schedulers, RNG, step) and deletes checkpoint folders the store never committed.
@@ -106,6 +109,11 @@ class Learner:
     # ------------------------------------------------------------------ one step
     def train_step(self, groups: Sequence[TrainableGroup]) -> StepReport:
         start = time.perf_counter()
+        dropped: dict[str, list[str]] = {}
+        for g in groups:
+            if g.stale:
+                dropped.setdefault(g.agent, []).extend(g.sample_ids)
+        groups = [g for g in groups if not g.stale]
         ids = [sid for g in groups for sid in g.sample_ids]
         samples = self.store.load_samples(self.run_id, ids)
         per_agent: dict[str, list[_Item]] = {}
@@ -151,11 +159,13 @@ class Learner:
                      learning_rate=self.optimizers[self.policy_name(agent)].param_groups[0]["lr"])
             if "tokens" in m:
                 m["tokens_per_s"] = m["tokens"] / elapsed
+        for agent, ids in dropped.items():
+            metrics.setdefault(agent, {})["dropped_stale_samples"] = float(len(ids))
         consumed: dict[str, list[str]] = {}
         for g in groups:
             consumed.setdefault(g.agent, []).extend(g.sample_ids)
         crash_point("learner.update")
-        folder = self.publish(consumed, metrics)
+        folder = self.publish(consumed, metrics, dropped)
         return StepReport(self.step, folder, consumed, metrics, nonfinite)
 
     def _backward(self, agent: str, items: list[_Item]) -> dict[str, float]:
@@ -220,13 +230,14 @@ class Learner:
         return pad_sequence(rows, batch_first=True)
 
     # ------------------------------------------------------------------ publishing
-    def publish(self, consumed: dict[str, list[str]], metrics: dict[str, dict[str, float]]) -> Path:
+    def publish(self, consumed: dict[str, list[str]], metrics: dict[str, dict[str, float]],
+                dropped: dict[str, list[str]] | None = None) -> Path:
         """Checkpoint (complete before anything else), then one store transaction, then MLflow."""
         folder = save_checkpoint(self.checkpoint_root, self.step, self.models, self.tokenizer, self.optimizers,
                                  self.schedulers, self.step)
         mlflow_run = self.tracker.run_id if self.tracker is not None else None
         crash_point("checkpoint.commit")
-        self.store.commit_step(self.run_id, self.step, consumed, str(folder), mlflow_run, metrics)
+        self.store.commit_step(self.run_id, self.step, consumed, str(folder), mlflow_run, metrics, dropped)
         if self.tracker is not None:
             self.tracker.log_step(self.step, metrics)
             every = self.cfg.tracking.log_checkpoint_steps

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from marsrl_core.config import AGENTS
 from marsrl_core.learner import Learner, StepReport
 from marsrl_core.rollout import RolloutScheduler
-from marsrl_core.store import SegmentStore, TrainableGroup
+from marsrl_core.store import TrainableGroup
 
 
 
@@ -46,11 +46,15 @@ class LoopResult:
         return self.rollout_busy_s / self.wall_clock_s if self.wall_clock_s else 0.0
 
 
-def ready_groups(store: SegmentStore, run_id: str, per_agent: int, flush: bool = False) -> list[TrainableGroup]:
-    """Up to `per_agent` complete groups per agent; empty unless some agent has `per_agent` ready
-    (or `flush`, at the end of a run, when any ready group counts)."""
-    by_agent = store.trainable_groups_by_agent(run_id, AGENTS, limit=per_agent)
-    if not flush and all(len(g) < per_agent for g in by_agent.values()):
+def ready_groups(learner: Learner, flush: bool = False) -> list[TrainableGroup]:
+    """Up to `groups_per_step` complete groups per agent; empty unless some agent has that many ready
+    (or `flush`, at the end of a run, when any ready group counts). Groups older than the learner's
+    `max_staleness` come along flagged `stale` (the step drops them) but never make a step ready."""
+    per_agent, bound = learner.cfg.learner.groups_per_step, learner.cfg.learner.max_staleness
+    by_agent = learner.store.trainable_groups_by_agent(
+        learner.run_id, AGENTS, limit=per_agent, min_version=None if bound is None else learner.step - bound)
+    fresh = {agent: [g for g in groups if not g.stale] for agent, groups in by_agent.items()}
+    if not any(fresh.values()) or (not flush and all(len(g) < per_agent for g in fresh.values())):
         return []
     return [g for groups in by_agent.values() for g in groups]
 
@@ -68,8 +72,6 @@ def _offer(scheduler: RolloutScheduler, learner: Learner, report: StepReport) ->
 def run_pipelined(scheduler: RolloutScheduler, learner: Learner, max_steps: int,
                   on_step: Callable[[StepReport], None] | None = None) -> LoopResult:
     result = LoopResult()
-    store, run_id = learner.store, learner.run_id
-    per_agent = learner.cfg.learner.groups_per_step
     rollout_done = threading.Event()
     stage_appended = threading.Event()  # new rewards can only appear when a stage has appended
     failure: list[BaseException] = []
@@ -78,7 +80,7 @@ def run_pipelined(scheduler: RolloutScheduler, learner: Learner, max_steps: int,
         try:
             while learner.step < max_steps:
                 stage_appended.clear()  # cleared before the query: an append after it wakes the wait below
-                groups = ready_groups(store, run_id, per_agent, flush=rollout_done.is_set())
+                groups = ready_groups(learner, flush=rollout_done.is_set())
                 if not groups:
                     if rollout_done.is_set():
                         return
@@ -118,8 +120,6 @@ def run_pipelined(scheduler: RolloutScheduler, learner: Learner, max_steps: int,
 def run_synchronous(scheduler: RolloutScheduler, learner: Learner, max_steps: int,
                     on_step: Callable[[StepReport], None] | None = None) -> LoopResult:
     result = LoopResult()
-    store, run_id = learner.store, learner.run_id
-    per_agent = learner.cfg.learner.groups_per_step
     scheduler.synchronous = True  # admit a new batch only when the previous one has fully ended
     start = time.perf_counter()
     while learner.step < max_steps and not scheduler.finished():
@@ -132,7 +132,7 @@ def run_synchronous(scheduler: RolloutScheduler, learner: Learner, max_steps: in
         result.stages += 1
         t = time.perf_counter()
         while learner.step < max_steps:
-            groups = ready_groups(store, run_id, per_agent, flush=True)
+            groups = ready_groups(learner, flush=True)
             if not groups:
                 break
             report = learner.train_step(groups)

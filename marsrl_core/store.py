@@ -12,7 +12,9 @@ How it is used:
   query, for several: `trainable_groups_by_agent`);
 - `commit_step(...)` records a learner step's consumptions, its policy version and its metrics in one
   transaction (exactly-once: a sample consumed by a committed step is never listed again; a step that
-  never committed leaves its samples trainable);
+  never committed leaves its samples trainable). Samples the learner dropped as too stale are
+  consumptions too, with `learner_step = DROPPED_STALE` (-1), so they are accounted for and never
+  listed again;
 - `load_samples(...)` rebuilds sample token sequences and behaviour log-probs from their segments.
 
 Concurrency: the SQLite catalog runs in WAL mode; a commit that meets a lock or a DuckLake conflict is
@@ -108,11 +110,16 @@ class StoredSample:
     num_segments: int = 0
 
 
+DROPPED_STALE = -1  # consumptions.learner_step of a sample the learner dropped untrained as too stale
+
+
 @dataclass
 class TrainableGroup:
     group_id: str
     agent: str
     sample_ids: list[str] = field(default_factory=list)
+    oldest_version: int = 0  # the policy version of the group's oldest segment
+    stale: bool = False  # older than the learner's staleness bound: to be dropped, not trained on
 
 
 def _extension_files() -> dict[str, str]:
@@ -397,21 +404,25 @@ class SegmentStore:
         checkpoint_uri: str,
         mlflow_run_id: str | None = None,
         metrics: dict[str, dict[str, float]] | None = None,
+        dropped: dict[str, Sequence[str]] | None = None,
     ) -> None:
         """Exactly-once commit of a learner step: consumptions + policy version + metrics together.
 
-        `consumed` maps agent -> sample ids trained in this step. Call it only after the checkpoint at
+        `consumed` maps agent -> sample ids trained in this step; `dropped` (same shape) the samples this
+        step dropped untrained as too stale (recorded with `learner_step = DROPPED_STALE`). Call it
+        only after the checkpoint at
         `checkpoint_uri` is completely written. Raises StoreError (and writes nothing) if any sample
         was already consumed by a committed step or the version already exists.
         """
-        pairs = [(sid, agent) for agent, ids in consumed.items() for sid in ids]
-        ids = [sid for sid, _ in pairs]
+        pairs = [(sid, agent, step) for agent, ids in consumed.items() for sid in ids]
+        pairs += [(sid, agent, DROPPED_STALE) for agent, ids in (dropped or {}).items() for sid in ids]
+        ids = [sid for sid, _, _ in pairs]
         if len(set(ids)) != len(ids):
             raise StoreError(f"commit_step(step={step}): a sample id appears twice in consumed")
         self._check_known(run_id, set(ids))
         consumptions = pa.table(
-            {"run_id": [run_id] * len(pairs), "sample_id": ids, "agent": [a for _, a in pairs],
-             "learner_step": [step] * len(pairs)},
+            {"run_id": [run_id] * len(pairs), "sample_id": ids, "agent": [a for _, a, _ in pairs],
+             "learner_step": [k for _, _, k in pairs]},
             schema=ARROW_SCHEMAS["consumptions"],
         )
         version = pa.table({"run_id": [run_id], "version": [step], "checkpoint_uri": [checkpoint_uri],
@@ -536,10 +547,13 @@ class SegmentStore:
         """Complete (every member rewarded), unconsumed groups of `agent`, oldest completion first."""
         return self.trainable_groups_by_agent(run_id, [agent], limit)[agent]
 
-    def trainable_groups_by_agent(self, run_id: str, agents: Sequence[str],
-                                  limit: int | None = None) -> dict[str, list[TrainableGroup]]:
+    def trainable_groups_by_agent(self, run_id: str, agents: Sequence[str], limit: int | None = None,
+                                  min_version: int | None = None) -> dict[str, list[TrainableGroup]]:
         """`trainable_groups` of several agents (at most `limit` each) in one query: the learner polls
-        this, so it scans the run's samples, rewards and consumptions once, not once per agent."""
+        this, so it scans the run's samples, rewards and consumptions once, not once per agent.
+
+        With `min_version`, groups with a segment sampled by an older policy version come back too,
+        flagged `stale` and not counted against `limit` (all of them, so the learner can drop them)."""
         agent_table = _key_table("agent", agents)
         sql = f"""
             WITH members AS (
@@ -555,15 +569,26 @@ class SegmentStore:
                 FROM members
                 GROUP BY agent, group_id
                 HAVING count(done_at) = any_value(group_size)
-                   AND count(*) FILTER (WHERE sample_id IN (SELECT sample_id FROM consumed)) = 0)
-            SELECT agent, group_id, sample_ids FROM (
-                SELECT *, row_number() OVER (PARTITION BY agent ORDER BY completed_at, group_id) AS position
-                FROM complete)
-            {'WHERE position <= ' + str(int(limit)) if limit else ''}
-            ORDER BY agent, position"""
+                   AND count(*) FILTER (WHERE sample_id IN (SELECT sample_id FROM consumed)) = 0),
+            versions AS (
+                SELECT c.agent, c.group_id, min(g.policy_version) AS oldest_version
+                FROM (SELECT agent, group_id, unnest(sample_ids) AS sample_id FROM complete) c
+                JOIN {CATALOG}.segments g ON g.run_id = $1 AND g.sample_id = c.sample_id
+                GROUP BY c.agent, c.group_id),
+            flagged AS (
+                SELECT complete.*, coalesce(v.oldest_version, 0) AS oldest_version,
+                       coalesce(v.oldest_version, 0) < $2 AS stale
+                FROM complete LEFT JOIN versions v USING (agent, group_id))
+            SELECT agent, group_id, sample_ids, oldest_version, stale FROM (
+                SELECT *, row_number() OVER (PARTITION BY agent, stale ORDER BY completed_at, group_id) AS position
+                FROM flagged)
+            {'WHERE stale OR position <= ' + str(int(limit)) if limit else ''}
+            ORDER BY agent, stale, position"""
+        floor = -1 if min_version is None else int(min_version)
         found: dict[str, list[TrainableGroup]] = {agent: [] for agent in agents}
-        for r in self._read(sql, [run_id], {"_agents": agent_table}).to_pylist():
-            found[r["agent"]].append(TrainableGroup(r["group_id"], r["agent"], r["sample_ids"]))
+        for r in self._read(sql, [run_id, floor], {"_agents": agent_table}).to_pylist():
+            found[r["agent"]].append(TrainableGroup(r["group_id"], r["agent"], r["sample_ids"],
+                                                    int(r["oldest_version"]), bool(r["stale"])))
         return found
 
     def load_samples(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, StoredSample]:

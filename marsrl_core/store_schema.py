@@ -126,13 +126,15 @@ def view_ddl(catalog: str) -> list[str]:
             SELECT s.run_id, s.agent, r.sample_id, r.created_at AS finished_at, c.created_at AS consumed_at,
                    epoch(c.created_at) - epoch(r.created_at) AS latency_s
             FROM {c}.rewards r JOIN {c}.samples s USING (run_id, sample_id)
-            JOIN {c}.consumptions c USING (run_id, sample_id)""",
+            JOIN {c}.consumptions c USING (run_id, sample_id)
+            WHERE c.learner_step >= 0""",
         f"""CREATE VIEW IF NOT EXISTS {c}.staleness AS
             SELECT c.run_id, c.sample_id, c.agent, c.learner_step,
                    min(g.policy_version) AS oldest_version, max(g.policy_version) AS newest_version,
                    max(g.policy_version) - min(g.policy_version) AS versions_spanned,
                    c.learner_step - 1 - min(g.policy_version) AS staleness
             FROM {c}.consumptions c JOIN {c}.segments g USING (run_id, sample_id)
+            WHERE c.learner_step >= 0
             GROUP BY c.run_id, c.sample_id, c.agent, c.learner_step""",
         f"""CREATE VIEW IF NOT EXISTS {c}.in_flight_decodes AS
             SELECT s.run_id, s.sample_id, s.agent, s.turn, count(g.sample_id) AS segments,

@@ -154,7 +154,7 @@ def train_step(cfg: MarsRLConfig, run_id: str, flush: bool = False, tracker: Any
     from marsrl_core.pipeline import ready_groups
 
     learner = learner_for(cfg, run_id, tracker)
-    groups = ready_groups(learner.store, run_id, cfg.learner.groups_per_step, flush=flush)
+    groups = ready_groups(learner, flush=flush)
     if not groups:
         return None
     try:
@@ -184,7 +184,7 @@ def tracker_for(cfg: MarsRLConfig, run_id: str):
 def groups_ready(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> bool:
     from marsrl_core.pipeline import ready_groups
 
-    return bool(ready_groups(store_for(cfg), run_id, cfg.learner.groups_per_step, flush=flush))
+    return bool(ready_groups(learner_for(cfg, run_id, tracker_for(cfg, run_id)), flush=flush))
 
 
 def evaluate(cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None = None) -> dict[str, float]:

@@ -77,6 +77,30 @@ def test_first_step_is_on_policy_and_metrics_are_recorded(folder, tmp_path):
     assert store.trainable_groups(RUN, "solver") == []
 
 
+def test_groups_older_than_max_staleness_are_dropped_untrained_and_never_make_a_step_ready(folder, tmp_path):
+    from marsrl_core.pipeline import ready_groups
+
+    cfg = _cfg(tmp_path, max_staleness=1, groups_per_step=1)
+    store = SegmentStore.from_config(cfg.store)
+    learner, engine = _learner(cfg, store, folder, tmp_path)
+    old = sample_groups(engine, store, RUN, "verifier", "V|1+2|", groups=2, size=4, reward_fn=digit_fraction)
+    for step in range(2):  # two versions later, the verifier groups sampled by version 0 are stale
+        report = learner.train_step(sample_groups(engine, store, RUN, "solver", "S|1|", groups=1, size=4,
+                                                  seed=step, reward_fn=digit_fraction))
+    engine.update_weights(report.step, learner.state_dict("solver"))
+    assert ready_groups(learner) == [] and ready_groups(learner, flush=True) == []  # stale ones alone: no step
+    fresh = sample_groups(engine, store, RUN, "solver", "S|2|", groups=1, size=4, reward_fn=digit_fraction)
+    groups = ready_groups(learner)
+    assert sorted((g.group_id, g.stale) for g in groups) == sorted(
+        [(fresh[0].group_id, False)] + [(g.group_id, True) for g in old])
+    report = learner.train_step(groups)
+    assert report.consumed == {"solver": fresh[0].sample_ids}
+    assert report.metrics["verifier"] == {"dropped_stale_samples": 8.0} and "loss" in report.metrics["solver"]
+    dropped = store.query("SELECT sample_id FROM consumptions WHERE learner_step = -1 ORDER BY 1")
+    assert dropped.column("sample_id").to_pylist() == sorted(s for g in old for s in g.sample_ids)
+    assert store.trainable_groups(RUN, "verifier") == [] and ready_groups(learner, flush=True) == []
+
+
 def test_per_agent_policies_change_only_the_trained_agent(folder, tmp_path):
     cfg = _cfg(tmp_path, policies="per_agent", learning_rate=1e-3)
     store = SegmentStore.from_config(cfg.store)

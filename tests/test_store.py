@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore, StoreError
+from marsrl_core.store import DROPPED_STALE, RewardRow, SampleRow, SegmentRow, SegmentStore, StoreError
 
 RUN = "run-1"
 
@@ -79,6 +79,28 @@ def test_groups_of_several_agents_in_one_query_match_one_agent_at_a_time(store):
         assert [(g.group_id, g.sample_ids) for g in unlimited[agent]] == \
             [(g.group_id, g.sample_ids) for g in store.trainable_groups(RUN, agent)]
     assert [g.group_id for g in unlimited["solver"]] == ["s1", "s2"]
+
+
+def test_stale_groups_are_flagged_outside_the_limit_and_dropped_ones_never_come_back(store):
+    old, fresh, newer = _group(store, "old"), _group(store, "fresh"), _group(store, "newer")
+    store.append(RUN, segments=[SegmentRow(old[0], 0, [1], [-0.5], 1, "length"),  # oldest token: version 1
+                                SegmentRow(old[0], 1, [1], [-0.5], 4, "stop"),
+                                SegmentRow(old[1], 0, [1], [-0.5], 4, "stop")],
+                 rewards=[RewardRow(s, 1.0, True) for s in old])
+    for ids in (fresh, newer):
+        store.append(RUN, segments=[SegmentRow(s, 0, [1], [-0.5], 3, "stop") for s in ids],
+                     rewards=[RewardRow(s, 1.0, True) for s in ids])
+    listed = store.trainable_groups_by_agent(RUN, ["solver"], limit=1, min_version=2)["solver"]
+    # The stale group does not take the one fresh slot; it comes along flagged, with its oldest version.
+    assert [(g.group_id, g.stale, g.oldest_version) for g in listed] == [("fresh", False, 3), ("old", True, 1)]
+    assert [g.stale for g in store.trainable_groups(RUN, "solver")] == [False] * 3  # no bound: none stale
+    store.commit_step(RUN, 5, {"solver": fresh}, "ckpt/5", dropped={"solver": old})
+    assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == ["newer"]
+    steps = store.query("SELECT sample_id, learner_step FROM consumptions ORDER BY sample_id").to_pylist()
+    assert steps == [{"sample_id": s, "learner_step": 5} for s in fresh] + \
+        [{"sample_id": s, "learner_step": DROPPED_STALE} for s in old]
+    # The staleness view describes trained samples only.
+    assert store.query("SELECT sample_id FROM staleness ORDER BY 1").column("sample_id").to_pylist() == fresh
 
 
 def test_reads_of_a_batch_are_filtered_to_its_problems(store):
