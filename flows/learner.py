@@ -12,6 +12,7 @@ from marsrl_core.config import MarsRLConfig, default_config
 from tasks.learner import train_step
 
 ROLLOUTS_FINISHED = "rollouts_finished"
+MAX_IDLE_POLL_S = 1.0  # the longest wait between two polls of an idle learner
 
 
 @flow(name="learner", log_prints=True)
@@ -19,16 +20,17 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
                  idle_timeout_s: float = 3600.0) -> int:
     budget = max_steps or config.learner.max_steps
     learner = workers.learner_for(config, run_id, workers.tracker_for(config, run_id))
-    idle_since, finished = time.monotonic(), False
+    idle_since, finished, wait_s = time.monotonic(), False, poll_s
     while learner.step < budget:
         finished = workers.store_for(config).has_event(run_id, ROLLOUTS_FINISHED)
         if workers.groups_ready(config, run_id, flush=finished):
             train_step(config, run_id, flush=finished)
-            idle_since = time.monotonic()
+            idle_since, wait_s = time.monotonic(), poll_s
         elif finished or time.monotonic() - idle_since > idle_timeout_s:
             break
-        else:
-            time.sleep(poll_s)
+        else:  # idle: back off (each store query keeps a little memory in DuckLake, see the README)
+            time.sleep(wait_s)
+            wait_s = min(wait_s * 1.5, max(poll_s, MAX_IDLE_POLL_S))
     if finished and learner.step < budget:
         print(f"learner stopped at step {learner.step} of {budget}: the rollouts finished and no complete group "
               f"newer than learner.max_staleness={config.learner.max_staleness} versions is left")

@@ -150,11 +150,14 @@ def learner_for(cfg: MarsRLConfig, run_id: str, tracker: Any = None):
 
 
 def train_step(cfg: MarsRLConfig, run_id: str, flush: bool = False, tracker: Any = None) -> dict[str, Any] | None:
-    """One learner step on ready groups; None when not enough are ready yet."""
+    """One learner step on ready groups; None when not enough are ready yet. Uses the groups that
+    `groups_ready` just found for this learner step, if any, instead of querying again."""
     from marsrl_core.pipeline import ready_groups
 
     learner = learner_for(cfg, run_id, tracker)
-    groups = ready_groups(learner, flush=flush)
+    with _lock:
+        found = _ready.pop(run_id, None)
+    groups = found[1] if found is not None and found[0] == learner.step else ready_groups(learner, flush=flush)
     if not groups:
         return None
     try:
@@ -181,10 +184,20 @@ def tracker_for(cfg: MarsRLConfig, run_id: str):
         return _trackers[run_id]
 
 
+_ready: dict[str, tuple[int, list]] = {}  # run id -> (learner step, the groups groups_ready found)
+
+
 def groups_ready(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> bool:
+    """Whether a learner step can run now. The groups found are kept for the `train_step` that follows
+    (only this process's learner consumes them, so they stay valid until its next step): the learner's
+    poll and its step cost one store query, not two."""
     from marsrl_core.pipeline import ready_groups
 
-    return bool(ready_groups(learner_for(cfg, run_id, tracker_for(cfg, run_id)), flush=flush))
+    learner = learner_for(cfg, run_id, tracker_for(cfg, run_id))
+    groups = ready_groups(learner, flush=flush)
+    with _lock:
+        _ready[run_id] = (learner.step, groups)
+    return bool(groups)
 
 
 def evaluate(cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None = None) -> dict[str, float]:

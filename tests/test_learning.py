@@ -1,21 +1,25 @@
 """The CI learning test: a short MarsRL run, from the tiny preset's committed warm start, makes the Solver
-and the Verifier better on held-out problems by more than their seed-to-seed spread.
+and the Verifier better on held-out problems by more than the noise of evaluating an unchanged policy.
 
 The run (`tests.configs.learning_config`): the train flow for real (Prefect, DuckLake store, MLflow,
 transformers engine, pipelined rollouts and learner), 50 learner steps on 15 batches of 8 problems,
-evaluated before and after on 256 held-out problems x 2 samples at temperature 1. It takes about 2
+evaluated before and after on 512 held-out problems x 2 samples at temperature 1. It takes about 2
 minutes on 2 CPU cores.
 
 The margins come from `benchmarks/learning_spread.py`, which ran this same run with seeds 0-4 (the
-seed changes the held-out problems, the evaluation's sampling and the run's sampling; the pipelined
-run's timing adds its own variation). A margin is two standard deviations of a difference of two
-measurements, `2 * sqrt(sd_before^2 + sd_after^2)`, from the standard deviations over seeds of the
-measure before and after training, rounded up. Measured (5 seeds): Solver 0.574 +- 0.021 before,
-0.827 +- 0.022 after, gain 0.254 +- 0.018 (smallest 0.234), margin 0.060; Verifier balanced accuracy
-0.713 +- 0.014 before, 0.850 +- 0.029 after, gain 0.138 +- 0.035 (smallest 0.108), margin 0.064. The
-Verifier's mean gain is two of its standard deviations above its margin: expect this test to fail about
-one run in fifty by chance (30 learner steps gave a Verifier gain of 0.069 +- 0.033, too close to its
-margin, hence 50).
+seed changes the held-out problems and all sampling; the warm start stays the same). The spread of a
+measure before training is the noise of evaluating one fixed policy; if training changed nothing, a
+gain would be the difference of two such evaluations. A margin is two standard deviations of that
+difference, `2 * sqrt(2) * sd_before`, rounded up. Measured (5 seeds, with `learner.max_staleness=4`):
+Solver 0.568 +- 0.007 before, 0.819 +- 0.037 after, gain 0.251 +- 0.031 (smallest 0.219), margin
+0.021; Verifier balanced accuracy 0.712 +- 0.018 before, 0.842 +- 0.043 after, gain 0.130 +- 0.046
+(smallest 0.059), margin 0.051. Over seeds, the Verifier's mean gain is 1.7 of its standard
+deviations above the margin. At the test's seed 0 the measure before is fixed (0.723 on these 512
+problems): the run needs 0.778 after, and six seed-0 runs evaluated on 256 problems gave 0.83-0.91.
+
+History: without the staleness bound the learner drained a backlog of Verifier and Corrector groups
+oldest first and trained on samples 13-19 versions old; the Verifier's gain fell to 0.044 +- 0.041
+and this test failed in CI.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from prefect.testing.utilities import prefect_test_harness
 
 from tests.configs import learning_config
 
-# From benchmarks/learning_spread.py, 5 seeds: margin = 2 * sqrt(sd_before^2 + sd_after^2), rounded up.
-SOLVER_MARGIN = 0.06  # sd 0.021 before, 0.022 after
-VERIFIER_MARGIN = 0.065  # sd 0.014 before, 0.029 after
+# From benchmarks/learning_spread.py, 5 seeds: margin = 2 * sqrt(2) * sd_before, rounded up.
+SOLVER_MARGIN = 0.03  # sd 0.007 before training
+VERIFIER_MARGIN = 0.055  # sd 0.018 before training
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,7 +41,7 @@ def prefect_server():
 
 
 @pytest.mark.slow
-def test_a_short_marsrl_run_improves_solver_and_verifier_beyond_the_seed_spread(tmp_path):
+def test_a_short_marsrl_run_improves_solver_and_verifier_beyond_the_evaluation_noise(tmp_path):
     from flows.train import train_flow
 
     result = train_flow(learning_config(tmp_path, seed=0))
