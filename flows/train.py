@@ -66,9 +66,12 @@ def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = Non
         learner = _learner.submit(config, run_id)
         running = []
         while pending or running:
+            if learner.wrapped_future.done():  # the learner has its steps (or failed): no more batches
+                pending.clear()
             while pending and len(running) < config.rollout.batches_in_flight:
                 running.append(_rollout.submit(config, run_id, pending.pop(0)))
-            running.pop(0).result()
+            if running:
+                running.pop(0).result()
         if not store.has_event(run_id, ROLLOUTS_FINISHED):
             store.mark(run_id, ROLLOUTS_FINISHED)
         result["learner_steps"] = steps = learner.result()

@@ -1,5 +1,5 @@
 """The CI learning test: a short MarsRL run, from the tiny preset's committed warm start, makes the Solver
-and the Verifier better on held-out problems by more than the noise of evaluating an unchanged policy.
+and the Verifier better on held-out problems by more than the seed-to-seed spread of their evaluation.
 
 The run (`tests.configs.learning_config`): the train flow for real (Prefect, DuckLake store, MLflow,
 transformers engine, pipelined rollouts and learner), 50 learner steps on 15 batches of 8 problems,
@@ -41,7 +41,7 @@ def prefect_server():
 
 
 @pytest.mark.slow
-def test_a_short_marsrl_run_improves_solver_and_verifier_beyond_the_evaluation_noise(tmp_path):
+def test_a_short_marsrl_run_improves_solver_and_verifier_beyond_the_seed_spread(tmp_path):
     from flows.train import train_flow
 
     result = train_flow(learning_config(tmp_path, seed=0))
