@@ -7,9 +7,9 @@ Prefect's ephemeral API server as a child process). At the deadline it
 writes a `stop_requested` run event: the rollout stops before its next batch and marks the rollouts
 finished, the learner trains on what is left and stops; both record their store lock retries.
 
-Reports: store rows per table, policy versions, lock retries per process, RSS at the start (after
-the first learner step) and at the end with the growth in between, and its slope over the second
-half (goal: flat), the run's disk use (it keeps the 3 newest checkpoints and logs every 100th to
+Reports: store rows per table (and how many consumptions were samples dropped as too stale), policy
+versions, lock retries per process, RSS at the start (after the first learner step) and at the end
+with the growth in between, and its slope over the second half (goal: flat), the run's disk use (it keeps the 3 newest checkpoints and logs every 100th to
 MLflow), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
 lock_retries, rss_mb, disk_mb, errors.
 

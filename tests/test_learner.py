@@ -238,3 +238,27 @@ def test_a_step_that_fails_to_publish_is_not_trained_twice(folder, tmp_path, mon
     result = workers.train_step(cfg, "pub")  # the retry: rebuilt from the store, trains once
     assert result["step"] == 1 and store.latest_version("pub")[0] == 1
     assert workers.learner_for(cfg, "pub").step == 1
+
+
+def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, monkeypatch):
+    from marsrl_core import workers
+
+    cfg = _cfg(tmp_path, groups_per_step=1)
+    cfg = cfg.model_copy(update={"output_dir": str(tmp_path / "out"),
+                                 "model": cfg.model.model_copy(update={"path": str(folder)}),
+                                 "tracking": cfg.tracking.model_copy(
+                                     update={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"})})
+    store = workers.store_for(cfg)
+    engine = HFEngine.from_pretrained(folder)
+    groups = sample_groups(engine, store, "poll", "solver", "S|3+4|", groups=2, size=4, reward_fn=digit_fraction)
+    workers.learner_for(cfg, "poll")
+    reads = []
+    original = store.trainable_groups_by_agent
+    monkeypatch.setattr(store, "trainable_groups_by_agent", lambda *a, **k: reads.append(1) or original(*a, **k))
+    assert workers.groups_ready(cfg, "poll") and len(reads) == 1
+    first = workers.train_step(cfg, "poll")
+    assert len(reads) == 1 and first["step"] == 1  # the step used what the poll found
+    second = workers.train_step(cfg, "poll")  # no poll before it: it queries for itself
+    assert len(reads) == 2 and second["step"] == 2
+    consumed = store.query("SELECT DISTINCT learner_step, sample_id FROM consumptions WHERE run_id = 'poll'").to_pylist()
+    assert sorted(r["sample_id"] for r in consumed) == sorted(s for g in groups for s in g.sample_ids)
