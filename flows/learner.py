@@ -33,6 +33,6 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
             wait_s = min(wait_s * 1.5, max(poll_s, MAX_IDLE_POLL_S))
     if finished and learner.step < budget:
         print(f"learner stopped at step {learner.step} of {budget}: the rollouts finished and no complete group "
-              f"newer than learner.max_staleness={config.learner.max_staleness} versions is left")
+              "is left to train on")
     learner.log_newest_checkpoint()
     return learner.step

@@ -157,7 +157,7 @@ def train_step(cfg: MarsRLConfig, run_id: str, flush: bool = False, tracker: Any
     learner = learner_for(cfg, run_id, tracker)
     with _lock:
         found = _ready.pop(run_id, None)
-    groups = found[1] if found is not None and found[0] == learner.step else ready_groups(learner, flush=flush)
+    groups = found[1] if found is not None and found[0] == (learner.step, flush) else ready_groups(learner, flush=flush)
     if not groups:
         return None
     try:
@@ -184,7 +184,7 @@ def tracker_for(cfg: MarsRLConfig, run_id: str):
         return _trackers[run_id]
 
 
-_ready: dict[str, tuple[int, list]] = {}  # run id -> (learner step, the groups groups_ready found)
+_ready: dict[str, tuple[tuple[int, bool], list]] = {}  # run id -> ((learner step, flush), groups found)
 
 
 def groups_ready(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> bool:
@@ -196,7 +196,10 @@ def groups_ready(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> bool:
     learner = learner_for(cfg, run_id, tracker_for(cfg, run_id))
     groups = ready_groups(learner, flush=flush)
     with _lock:
-        _ready[run_id] = (learner.step, groups)
+        if groups:
+            _ready[run_id] = ((learner.step, flush), groups)
+        else:
+            _ready.pop(run_id, None)
     return bool(groups)
 
 
