@@ -29,9 +29,13 @@ install: $(STAMP)
 train: install
 	$(BIN)/marsrl train
 
-# vLLM's CPU backend pins threads, so its tests run in a pytest process of their own.
+# vLLM's CPU backend pins threads, so its tests run in a pytest process of their own. So does the
+# learning test: its margins were measured in a fresh process, and after other modules' Prefect test
+# servers have stopped, Prefect's events client logs an error for every task state change (about
+# 650 in one CI run), which changes the timing the pipelined run learns under.
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm"
+	$(BIN)/python -m pytest -q -m "not vllm and not learning"
+	$(BIN)/python -m pytest -q -m learning
 	$(BIN)/python -m pytest -q -m vllm
 
 bench: $(TEST_STAMP)

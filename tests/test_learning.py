@@ -42,6 +42,7 @@ def prefect_server():
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_a_short_marsrl_run_improves_solver_and_verifier_beyond_the_seed_spread(tmp_path):
     from flows.train import train_flow
 
