@@ -3,20 +3,23 @@ and the Verifier better on held-out problems by more than the seed-to-seed sprea
 
 The run (`tests.configs.learning_config`): the train flow for real (Prefect, DuckLake store, MLflow,
 transformers engine, pipelined rollouts and learner), 50 learner steps on 15 batches of 8 problems,
-evaluated before and after on 512 held-out problems x 2 samples at temperature 1. It takes about 2
-minutes on 2 CPU cores.
+evaluated before and after on 512 held-out problems x 2 samples at temperature 1: about 2 minutes
+on 2 CPU cores, run twice (seeds 0 and 1).
 
 The margins come from `benchmarks/learning_spread.py`, which ran this same run with seeds 0-4 (the
 seed changes the held-out problems and all sampling; the warm start stays the same). The spread of a
 measure before training is the noise of evaluating one fixed policy; if training changed nothing, a
-gain would be the difference of two such evaluations. A margin is two standard deviations of that
-difference, `2 * sqrt(2) * sd_before`, rounded up. Measured (5 seeds, with `learner.max_staleness=4`):
-Solver 0.568 +- 0.007 before, 0.819 +- 0.037 after, gain 0.251 +- 0.031 (smallest 0.219), margin
-0.021; Verifier balanced accuracy 0.712 +- 0.018 before, 0.842 +- 0.043 after, gain 0.130 +- 0.046
-(smallest 0.059), margin 0.051. Over seeds, the Verifier's mean gain is 1.7 of its standard
-deviations above the margin (a normal approximation puts a seed below it about one time in 25). The
-test runs seed 0, where the measure before is fixed (0.723 on these 512 problems): the run needs
-0.778 after, and nine seed-0 runs gave 0.82-0.91 (six evaluated on 256 problems, three on 512).
+gain would be the difference of two such evaluations, with standard deviation `sqrt(2) * sd_before`.
+The test runs two seeds (0 and 1) and asserts on the mean of their gains, whose noise under that
+null is `sd_before`; the margin is two of those, `2 * sd_before`, rounded up. Measured (5 seeds, with
+`learner.max_staleness=4`): Solver 0.568 +- 0.007 before, 0.819 +- 0.037 after, gain 0.251 +- 0.031
+(smallest 0.219); Verifier balanced accuracy 0.712 +- 0.018 before, 0.842 +- 0.043 after, gain 0.130
++- 0.046 (smallest 0.059).
+
+Why two seeds: one seed-0 run was not reliable enough. Its Verifier gain varies from run to run
+(the pipelined learner trains on whatever groups are ready when it looks): nine runs in scripts gave
+0.82-0.91 after training, but two of four runs under pytest in CI gave 0.769 and 0.753, gains
+within the noise. The mean of two runs halves the variance of the run-to-run part.
 
 History: without the staleness bound the learner drained a backlog of Verifier and Corrector groups
 oldest first and trained on samples 13-19 versions old; the Verifier's gain fell to 0.044 +- 0.041
@@ -30,9 +33,10 @@ from prefect.testing.utilities import prefect_test_harness
 
 from tests.configs import learning_config
 
-# From benchmarks/learning_spread.py, 5 seeds: margin = 2 * sqrt(2) * sd_before, rounded up.
-SOLVER_MARGIN = 0.03  # sd 0.007 before training
-VERIFIER_MARGIN = 0.055  # sd 0.018 before training
+# From benchmarks/learning_spread.py, 5 seeds: the margin for a mean of two gains is 2 * sd_before, rounded up.
+SOLVER_MARGIN = 0.02  # sd 0.007 before training
+VERIFIER_MARGIN = 0.04  # sd 0.018 before training
+SEEDS = (0, 1)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,11 +50,16 @@ def prefect_server():
 def test_a_short_marsrl_run_improves_solver_and_verifier_beyond_the_seed_spread(tmp_path):
     from flows.train import train_flow
 
-    result = train_flow(learning_config(tmp_path, seed=0))
-    before, after = result["before"], result["after"]
-    assert result["learner_steps"] == 50
-    solver_gain = after["solver_acc"] - before["solver_acc"]
-    verifier_gain = after["verifier_bal_acc"] - before["verifier_bal_acc"]
-    assert solver_gain > SOLVER_MARGIN, f"Solver {before['solver_acc']:.3f} -> {after['solver_acc']:.3f}"
-    assert verifier_gain > VERIFIER_MARGIN, (
-        f"Verifier balanced accuracy {before['verifier_bal_acc']:.3f} -> {after['verifier_bal_acc']:.3f}")
+    gains = {"solver_acc": [], "verifier_bal_acc": []}
+    seen = []
+    for seed in SEEDS:
+        result = train_flow(learning_config(tmp_path / f"seed{seed}", seed=seed))
+        before, after = result["before"], result["after"]
+        assert result["learner_steps"] == 50
+        for key in gains:
+            gains[key].append(after[key] - before[key])
+        seen.append(f"seed {seed}: Solver {before['solver_acc']:.3f} -> {after['solver_acc']:.3f}, Verifier "
+                    f"{before['verifier_bal_acc']:.3f} -> {after['verifier_bal_acc']:.3f}")
+    solver_gain, verifier_gain = (sum(g) / len(g) for g in gains.values())
+    assert solver_gain > SOLVER_MARGIN, "; ".join(seen)
+    assert verifier_gain > VERIFIER_MARGIN, "; ".join(seen)
