@@ -9,8 +9,8 @@ finished, the learner trains on what is left and stops; both record their store 
 
 Reports: store rows per table (and how many consumptions were samples dropped as too stale), policy
 versions, lock retries per process, RSS at the start (after the first learner step) and at the end
-with the growth in between, and its slope over the second half (goal: flat), the run's disk use (it keeps the 3 newest checkpoints and logs every 100th to
-MLflow), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
+with the growth in between, and its slope over the second half (goal: flat), the run's disk use (it
+keeps the 3 newest checkpoints and logs every 100th to MLflow), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
 lock_retries, rss_mb, disk_mb, errors.
 
 Run: `python benchmarks/soak.py --minutes 10`.

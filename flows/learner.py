@@ -28,7 +28,7 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
             idle_since, wait_s = time.monotonic(), poll_s
         elif finished or time.monotonic() - idle_since > idle_timeout_s:
             break
-        else:  # idle: back off (each store query keeps a little memory in DuckLake, see the README)
+        else:  # idle: back off, so a learner waiting for rollouts queries the store less often
             time.sleep(wait_s)
             wait_s = min(wait_s * 1.5, max(poll_s, MAX_IDLE_POLL_S))
     if finished and learner.step < budget:

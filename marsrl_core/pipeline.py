@@ -58,7 +58,7 @@ def ready_groups(learner: Learner, flush: bool = False) -> list[TrainableGroup]:
     fresh = {agent: [g for g in groups if not g.stale] for agent, groups in by_agent.items()}
     if flush and not any(fresh.values()):
         return [replace(g, stale=False) for groups in by_agent.values() for g in groups[-per_agent:]]
-    if not any(fresh.values()) or (not flush and all(len(g) < per_agent for g in fresh.values())):
+    if not flush and all(len(g) < per_agent for g in fresh.values()):
         return []
     return [g for groups in by_agent.values() for g in groups]
 
