@@ -29,8 +29,11 @@ KILLS = 12
 
 
 def _config(tmp_path: Path) -> Path:
+    # 16 batches hold ~96 groups and 12 steps take up to 8 each: with the groups dropped as stale
+    # (`learner.max_staleness`) a run could end short of its budget. 24 leave a margin; the train flow
+    # submits no batch once the learner has its steps, so the spare ones cost nothing.
     return process_config_file(
-        tmp_path, "crash", data={"num_batches": 16},
+        tmp_path, "crash", data={"num_batches": 24},
         learner={"groups_per_step": 4, "max_steps": MAX_STEPS, "learning_rate": 1e-3, "warmup_steps": 0},
         evaluation={"num_problems": 2, "k": 1, "max_rounds": 1}, sft={"enabled": False})
 
