@@ -7,20 +7,44 @@ Prefect joins the heartbeat thread, which sleeps in one-second steps, so every f
 late here (an empty flow: 1.05 s with its heartbeat, 0.05 s without). That was most of the rollout
 flow's Prefect overhead on the tiny model, whose batches take seconds.
 
+Prefect's `temporary_settings` re-validates the whole settings model on every entry (~75 ms here,
+more than a subflow's own API calls), so the heartbeat-free settings are built once per base
+settings object and re-entered from a cache.
+
 Deliberate simplification: the setting is switched off for everything run inside the block, so the
 block holds only subflow calls of a running flow.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+import prefect.context
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
+
+_without_heartbeat: dict[int, tuple[Settings, Settings]] = {}  # id(base) -> (base, base without heartbeat)
+_lock = threading.Lock()
+
+
+def _heartbeat_free(base: Settings) -> Settings:
+    with _lock:
+        cached = _without_heartbeat.get(id(base))
+        if cached is None or cached[0] is not base:  # a new base (an id can be reused once one is freed)
+            if len(_without_heartbeat) > 16:
+                _without_heartbeat.clear()
+            cached = (base, base.copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
+            _without_heartbeat[id(base)] = cached
+        return cached[1]
 
 
 @contextmanager
 def parent_heartbeat_only() -> Iterator[None]:
     """Flows called inside this block send no heartbeat of their own (their parent's covers them)."""
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    context = prefect.context.get_settings_context()
+    if context.settings.flows.heartbeat_frequency is None:
+        yield
+        return
+    with prefect.context.SettingsContext(profile=context.profile, settings=_heartbeat_free(context.settings)):
         yield

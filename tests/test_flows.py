@@ -41,6 +41,36 @@ def test_rollout_flow_is_a_dag_of_agent_turns(tmp_path):
     assert store.count("rewards", "r1") == store.count("samples", "r1")
 
 
+def test_subflows_inside_parent_heartbeat_only_send_no_heartbeat_and_reuse_one_settings_object():
+    from prefect import flow
+    from prefect.settings import PREFECT_LOGGING_LEVEL, get_current_settings, temporary_settings
+
+    from flows.subflows import parent_heartbeat_only
+
+    @flow
+    def heartbeat_setting() -> tuple[int | None, str]:
+        settings = get_current_settings()
+        return settings.flows.heartbeat_frequency, settings.logging.level
+
+    @flow
+    def parent() -> list[tuple[int | None, str]]:
+        seen = [heartbeat_setting()]
+        with parent_heartbeat_only():
+            seen.append(heartbeat_setting())
+            first = get_current_settings()
+        with parent_heartbeat_only():
+            assert get_current_settings() is first  # built once, not re-validated per subflow
+        with temporary_settings({PREFECT_LOGGING_LEVEL: "ERROR"}), parent_heartbeat_only():
+            seen.append(heartbeat_setting())  # a different base: its other settings are kept
+        seen.append(heartbeat_setting())
+        return seen
+
+    default = get_current_settings().flows.heartbeat_frequency
+    assert default is not None
+    assert parent() == [(default, get_current_settings().logging.level), (None, get_current_settings().logging.level),
+                        (None, "ERROR"), (default, get_current_settings().logging.level)]
+
+
 def test_rollouts_flow_stops_before_the_next_batch_when_asked(tmp_path):
     from flows.learner import ROLLOUTS_FINISHED
     from flows.rollout import rollouts_flow
