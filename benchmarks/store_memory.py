@@ -1,14 +1,17 @@
-"""Store memory per query: resident memory (RSS) growth of one process repeating one read many times.
+"""Store memory per operation: resident memory (RSS) growth of one process repeating one operation.
 
 Each variant opens a fresh DuckLake store (SQLite catalog) with 30 batches of 64 finished samples
-appended (about 60 data files), then repeats one read 2,000 times on the unchanging store:
-`select_1` (`SELECT 1`, no lake table), `lake_count` (a count over the samples table), and
-`trainable_groups` (the learner's poll, three lake tables, one registered Arrow key table). Growth is
-RSS after the last call minus RSS after the first 250 (past warm-up), per call. It is how the soak's
-remaining memory growth was traced to queries over lake tables.
+appended (about 60 data files), then repeats one operation 2,000 times. Reads of the unchanging
+store: `select_1` (`SELECT 1`, no lake table), `lake_count` (a count over the samples table), and
+`trainable_groups` (the learner's poll, three lake tables, one registered Arrow key table). Writes,
+which grow the store as a run does: `append` (one transaction of 4 samples with their segments and
+rewards, what a rollout stage commits, so 3 new data files each), and `append_compacted` (the same,
+with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would). Growth is RSS
+after the last call minus RSS after the first 250 (past warm-up), per call. It is how the soak's
+remaining memory growth was traced to queries over lake tables and to the store's growth.
 
 Run: `python benchmarks/store_memory.py`. Writes benchmarks/results/store_memory.json with, per
-variant, rss_start_mb, rss_end_mb and kb_per_query. Each variant runs in its own process.
+variant, rss_start_mb, rss_end_mb and kb_per_operation. Each variant runs in its own process.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from benchmarks.common import print_rows, write_results  # noqa: E402
 
 CALLS, WARMUP = 2000, 250
-VARIANTS = ("select_1", "lake_count", "trainable_groups")
+VARIANTS = ("select_1", "lake_count", "trainable_groups", "append", "append_compacted")
 
 
 def measure(variant: str) -> dict[str, float]:
@@ -42,19 +45,29 @@ def measure(variant: str) -> dict[str, float]:
             store.append("r", samples=rows)
             store.append("r", segments=[SegmentRow(r.sample_id, 0, [1] * 20, [-0.1] * 20, 0, "stop") for r in rows],
                          rewards=[RewardRow(r.sample_id, 1.0, True) for r in rows])
-        reads = {
-            "select_1": lambda: store.query("SELECT 1"),
-            "lake_count": lambda: store.count("samples", "r"),
-            "trainable_groups": lambda: store.trainable_groups_by_agent("r", ["solver", "verifier", "corrector"], 4),
+        def append(call: int) -> None:
+            rows = [SampleRow(uuid.uuid4().hex, f"a{call}", "verifier", 1, f"a{call}", 4, [1, 2, 3]) for _ in range(4)]
+            store.append("r", samples=rows,
+                         segments=[SegmentRow(r.sample_id, 0, [1] * 20, [-0.1] * 20, 0, "stop") for r in rows],
+                         rewards=[RewardRow(r.sample_id, 1.0, True) for r in rows])
+            if variant == "append_compacted" and call % 250 == 0:
+                store.compact()
+
+        operations = {
+            "select_1": lambda call: store.query("SELECT 1"),
+            "lake_count": lambda call: store.count("samples", "r"),
+            "trainable_groups": lambda call: store.trainable_groups_by_agent("r", ["solver", "verifier", "corrector"], 4),
+            "append": append,
+            "append_compacted": append,
         }
         process, rss = psutil.Process(), {}
         for call in range(1, CALLS + 1):
-            reads[variant]()
+            operations[variant](call)
             if call in (WARMUP, CALLS):
                 gc.collect()
                 rss[call] = process.memory_info().rss / 2**20
     return {"rss_start_mb": rss[WARMUP], "rss_end_mb": rss[CALLS],
-            "kb_per_query": (rss[CALLS] - rss[WARMUP]) * 1024 / (CALLS - WARMUP)}
+            "kb_per_operation": (rss[CALLS] - rss[WARMUP]) * 1024 / (CALLS - WARMUP)}
 
 
 def main() -> None:
@@ -66,9 +79,9 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
                              check=True).stdout.strip().splitlines()[-1]
         figures[variant] = json.loads(out)
-    print_rows(f"RSS growth over {CALLS - WARMUP} repeated reads of an unchanging store", ["read", "RSS after warm-up MB",
-               "RSS at end MB", "KB per query"],
-               [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_query"]] for v, f in figures.items()])
+    print_rows(f"RSS growth over {CALLS - WARMUP} repeated operations", ["operation", "RSS after warm-up MB",
+               "RSS at end MB", "KB per operation"],
+               [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_operation"]] for v, f in figures.items()])
     print(f"written to {write_results('store_memory', figures)}")
 
 
