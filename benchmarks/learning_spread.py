@@ -37,13 +37,13 @@ from benchmarks.common import print_rows, write_results  # noqa: E402
 MEASURES = {"solver": "solver_acc", "verifier": "verifier_bal_acc"}
 
 
-def run_seed(seed: int) -> dict[str, float]:
+def run_seed(seed: int, extra: list[str] | None = None) -> dict[str, float]:
     from flows.train import train_flow
     from tests.configs import learning_config
 
     with tempfile.TemporaryDirectory(prefix=f"marsrl-spread-{seed}-") as tmp:
         start = time.perf_counter()
-        result = train_flow(learning_config(tmp, seed))
+        result = train_flow(learning_config(tmp, seed, extra))
         row = {"seed": seed, "learner_steps": result["learner_steps"], "wall_clock_s": time.perf_counter() - start}
         for name, key in MEASURES.items():
             row[f"{name}_before"], row[f"{name}_after"] = result["before"][key], result["after"][key]
@@ -72,8 +72,12 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5, help="Seeds 0..N-1 (at least 2; the test margins used 5).")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="Override a field of the learning run (repeatable), to compare a variant's "
+                        "spread; the figures then go to learning_spread_variant.json, not the margins' file.")
+    parser.add_argument("--first-seed", type=int, default=0, help="The first seed.")
     args = parser.parse_args()
-    runs = [run_seed(seed) for seed in range(max(2, args.seeds))]
+    runs = [run_seed(seed, args.overrides) for seed in range(args.first_seed, args.first_seed + max(2, args.seeds))]
     summary = summarise(runs)
     print_rows("the learning run, per seed", ["seed", "Solver before", "Solver after", "Verifier before",
                                               "Verifier after", "wall-clock s"],
@@ -84,7 +88,8 @@ def main() -> None:
                [[name, f"{s['before_mean']:.3f} ± {s['before_sd']:.3f}", f"{s['after_mean']:.3f} ± {s['after_sd']:.3f}",
                  f"{s['gain_mean']:.3f} ± {s['gain_sd']:.3f}", s["gain_min"], s["margin"], s["gain_sds_above_margin"]]
                 for name, s in summary.items()])
-    path = write_results("learning_spread", {"seeds": len(runs), "runs": runs, **summary})
+    name = "learning_spread_variant" if args.overrides else "learning_spread"
+    path = write_results(name, {"seeds": len(runs), "overrides": args.overrides, "runs": runs, **summary})
     print(f"figures written to {path}")
 
 

@@ -46,7 +46,8 @@ def cpu_run(root: Path, folder: Path, synchronous: bool, repeat: int = 0) -> dic
         "rollout.segment_tokens=16", "rollout.solver_max_tokens=64", "rollout.verifier_max_tokens=32",
         "rollout.corrector_max_tokens=64", "rollout.problems_per_batch=4", "rollout.max_staleness=2",
         "rollout.batches_in_flight=2",  # the default; the synchronous baseline always decodes one batch
-        f"rollout.synchronous={synchronous}", "learner.groups_per_step=4", "learner.learning_rate=1e-5"])
+        f"rollout.synchronous={synchronous}", "learner.groups_per_step=4",
+        "learner.downstream_groups_per_step=4", "learner.learning_rate=1e-5"])
     store = SegmentStore.from_config(cfg.store)
     engine = HFEngine.from_pretrained(folder)
     engine.eos_id = engine.tokenizer.convert_tokens_to_ids("3")  # a frequent token: geometric lengths

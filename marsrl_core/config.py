@@ -123,6 +123,11 @@ class LearnerConfig(_Section):
     micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory on long samples.")
     groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
+    downstream_groups_per_step: int | None = Field(
+        None, ge=1, description="Complete groups of the Verifier and of the Corrector consumed by one learner "
+        "step (None: `groups_per_step`). Per problem the Solver samples one group and each downstream turn "
+        "`select_inputs` groups, so with equal counts the downstream agents produce several times what a "
+        "step takes and the surplus ages past `max_staleness`.")
     max_steps: int = Field(100, ge=1, description="Learner steps in a training run.")
     max_staleness: int | None = Field(
         4, ge=0, description="Most policy versions between a group's oldest token and the learner's current "
@@ -135,6 +140,11 @@ class LearnerConfig(_Section):
         None, ge=1, description="Newest checkpoint folders kept on disk (older ones are deleted after each commit; "
         "None keeps all, as in transformers). Engines load only the newest version and a resume the last "
         "committed one, so a small limit is safe; every version is still a row in the store.")
+
+    def groups_per_step_by_agent(self) -> dict[str, int]:
+        """Complete groups one step consumes, per agent."""
+        downstream = self.downstream_groups_per_step or self.groups_per_step
+        return {agent: self.groups_per_step if agent == "solver" else downstream for agent in AGENTS}
 
 
 class DataConfig(_Section):
@@ -264,7 +274,10 @@ PRESETS: dict[str, dict[str, Any]] = {
             "temperature": 1.0,
             "problems_per_batch": 8,
         },
-        "learner": {"learning_rate": 1e-4, "warmup_steps": 20, "max_steps": 50},
+        # The Verifier and Corrector take 8 groups a step (the Solver 4): a batch of 8 problems gives
+        # the Solver 8 groups and each downstream agent up to 32, and with 4 a step a third of them
+        # aged past max_staleness untrained (benchmarks/learning_spread.py --set compares the two).
+        "learner": {"learning_rate": 1e-4, "warmup_steps": 20, "max_steps": 50, "downstream_groups_per_step": 8},
     },
 }
 

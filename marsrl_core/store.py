@@ -35,7 +35,7 @@ import random
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -547,14 +547,20 @@ class SegmentStore:
         """Complete (every member rewarded), unconsumed groups of `agent`, oldest completion first."""
         return self.trainable_groups_by_agent(run_id, [agent], limit)[agent]
 
-    def trainable_groups_by_agent(self, run_id: str, agents: Sequence[str], limit: int | None = None,
+    def trainable_groups_by_agent(self, run_id: str, agents: Sequence[str],
+                                  limit: int | Mapping[str, int] | None = None,
                                   min_version: int | None = None) -> dict[str, list[TrainableGroup]]:
-        """`trainable_groups` of several agents (at most `limit` each) in one query: the learner polls
-        this, so it scans the run's samples, rewards and consumptions once, not once per agent.
+        """`trainable_groups` of several agents (at most `limit` each, or `limit[agent]`) in one query:
+        the learner polls this, so it scans the run's samples, rewards and consumptions once, not once
+        per agent.
 
         With `min_version`, groups with a segment sampled by an older policy version come back too,
         flagged `stale` and not counted against `limit` (all of them, so the learner can drop them)."""
         agent_table = _key_table("agent", agents)
+        if limit is not None:
+            limits = limit if isinstance(limit, Mapping) else {agent: limit for agent in agents}
+            agent_table = agent_table.append_column(
+                "max_groups", pa.array([int(limits[agent]) for agent in agents], pa.int64()))
         sql = f"""
             WITH members AS (
                 SELECT s.agent, s.group_id, s.sample_id, s.group_size, r.created_at AS done_at
@@ -581,8 +587,7 @@ class SegmentStore:
                 FROM complete LEFT JOIN versions v USING (agent, group_id))
             SELECT agent, group_id, sample_ids, oldest_version, stale FROM (
                 SELECT *, row_number() OVER (PARTITION BY agent, stale ORDER BY completed_at, group_id) AS position
-                FROM flagged)
-            {'WHERE stale OR position <= ' + str(int(limit)) if limit else ''}
+                FROM flagged){' JOIN _agents USING (agent) WHERE stale OR position <= max_groups' if limit is not None else ''}
             ORDER BY agent, stale, position"""
         floor = -1 if min_version is None else int(min_version)
         found: dict[str, list[TrainableGroup]] = {agent: [] for agent in agents}

@@ -22,7 +22,8 @@ def small_config(tmp_path, **extra) -> MarsRLConfig:
         "rollout.num_generations": 4, "rollout.downstream_generations": 2, "rollout.problems_per_batch": 2,
         "rollout.segment_tokens": 8, "rollout.solver_max_tokens": 16, "rollout.verifier_max_tokens": 16,
         "rollout.corrector_max_tokens": 16, "rollout.max_turns": 3, "data.num_batches": 2,
-        "learner.groups_per_step": 1, "learner.max_steps": 2, "evaluation.num_problems": 2, "evaluation.k": 1,
+        "learner.groups_per_step": 1, "learner.downstream_groups_per_step": 1, "learner.max_steps": 2,
+        "evaluation.num_problems": 2, "evaluation.k": 1,
         "evaluation.max_rounds": 1, "sft.enabled": False, **extra}
     return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()])
 
@@ -48,9 +49,10 @@ def process_config_file(tmp_path, name: str, **sections) -> Path:
 LEARNING_RUN = {"learner.max_steps": 50, "data.num_batches": 15, "evaluation.num_problems": 512, "evaluation.k": 2}
 
 
-def learning_config(tmp_path, seed: int = 0) -> MarsRLConfig:
+def learning_config(tmp_path, seed: int = 0, extra: list[str] | None = None) -> MarsRLConfig:
     """The short learning run under `tmp_path`, with `seed` for RL sampling and the held-out problems
-    (the warm start stays the committed one of the tiny preset, made with the preset's own seed)."""
+    (the warm start stays the committed one of the tiny preset, made with the preset's own seed);
+    `extra` overrides (`key=value`) come last."""
     from marsrl_core.sft import COMMITTED, find_warm_start
 
     folder = find_warm_start(load_config("tiny"))
@@ -58,4 +60,4 @@ def learning_config(tmp_path, seed: int = 0) -> MarsRLConfig:
         raise RuntimeError(f"no committed warm start for the tiny preset in {COMMITTED} (make it with "
                            "`marsrl sft --set output_dir=demo/warm-starts`)")
     overrides = {**_under(tmp_path), "model.path": str(folder), "seed": seed, **LEARNING_RUN}
-    return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()])
+    return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()] + list(extra or []))

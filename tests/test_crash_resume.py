@@ -34,7 +34,7 @@ def _config(tmp_path: Path) -> Path:
     # submits no batch once the learner has its steps, so the spare ones cost nothing.
     return process_config_file(
         tmp_path, "crash", data={"num_batches": 24},
-        learner={"groups_per_step": 4, "max_steps": MAX_STEPS, "learning_rate": 1e-3, "warmup_steps": 0},
+        learner={"groups_per_step": 4, "downstream_groups_per_step": 4, "max_steps": MAX_STEPS, "learning_rate": 1e-3, "warmup_steps": 0},
         evaluation={"num_problems": 2, "k": 1, "max_rounds": 1}, sft={"enabled": False})
 
 

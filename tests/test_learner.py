@@ -80,7 +80,7 @@ def test_first_step_is_on_policy_and_metrics_are_recorded(folder, tmp_path):
 def test_groups_older_than_max_staleness_are_dropped_untrained_while_fresh_ones_arrive(folder, tmp_path):
     from marsrl_core.pipeline import ready_groups
 
-    cfg = _cfg(tmp_path, max_staleness=1, groups_per_step=1)
+    cfg = _cfg(tmp_path, max_staleness=1, groups_per_step=1, downstream_groups_per_step=1)
     store = SegmentStore.from_config(cfg.store)
     learner, engine = _learner(cfg, store, folder, tmp_path)
     old = sample_groups(engine, store, RUN, "verifier", "V|1+2|", groups=2, size=4, reward_fn=digit_fraction)
@@ -101,6 +101,23 @@ def test_groups_older_than_max_staleness_are_dropped_untrained_while_fresh_ones_
     dropped = store.query("SELECT sample_id FROM consumptions WHERE learner_step = -1 ORDER BY 1")
     assert dropped.column("sample_id").to_pylist() == sorted(s for g in old for s in g.sample_ids)
     assert store.trainable_groups(RUN, "verifier") == [] and ready_groups(learner, flush=True) == []
+
+
+def test_downstream_agents_can_take_more_groups_per_step_than_the_solver(folder, tmp_path):
+    from marsrl_core.pipeline import ready_groups
+
+    cfg = _cfg(tmp_path, groups_per_step=1, downstream_groups_per_step=3)
+    store = SegmentStore.from_config(cfg.store)
+    learner, engine = _learner(cfg, store, folder, tmp_path)
+    verifier = sample_groups(engine, store, RUN, "verifier", "V|1+2|", groups=2, size=2, reward_fn=digit_fraction)
+    assert ready_groups(learner) == []  # two verifier groups are fewer than the three a step takes
+    solver = sample_groups(engine, store, RUN, "solver", "S|1|", groups=2, size=2, reward_fn=digit_fraction)
+    verifier += sample_groups(engine, store, RUN, "verifier", "V|2+2|", groups=2, size=2, seed=1, reward_fn=digit_fraction)
+    groups = ready_groups(learner)
+    assert sorted(g.group_id for g in groups if g.agent == "solver") == [solver[0].group_id]
+    assert sorted(g.group_id for g in groups if g.agent == "verifier") == sorted(g.group_id for g in verifier[:3])
+    report = learner.train_step(groups)
+    assert {agent: len(ids) for agent, ids in report.consumed.items()} == {"solver": 2, "verifier": 6}
 
 
 def test_per_agent_policies_change_only_the_trained_agent(folder, tmp_path):
@@ -245,7 +262,7 @@ def test_a_step_that_fails_to_publish_is_not_trained_twice(folder, tmp_path, mon
 def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, monkeypatch):
     from marsrl_core import workers
 
-    cfg = _cfg(tmp_path, groups_per_step=1)
+    cfg = _cfg(tmp_path, groups_per_step=1, downstream_groups_per_step=1)
     cfg = cfg.model_copy(update={"output_dir": str(tmp_path / "out"),
                                  "model": cfg.model.model_copy(update={"path": str(folder)}),
                                  "tracking": cfg.tracking.model_copy(

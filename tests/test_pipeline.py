@@ -27,7 +27,7 @@ def _setup(tmp_path, folder, **rollout):
                  "verifier_max_tokens": 8, "corrector_max_tokens": 12, "problems_per_batch": 2, "max_turns": 3,
                  "max_staleness": 2, **rollout}
     cfg = load_config("tiny", None, [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
-                                     f"store.data_path={tmp_path}/data", "learner.groups_per_step=2",
+                                     f"store.data_path={tmp_path}/data", "learner.groups_per_step=2", "learner.downstream_groups_per_step=2",
                                      "learner.learning_rate=1e-3", "learner.warmup_steps=0"]
                       + [f"rollout.{k}={v}" for k, v in overrides.items()])
     store = SegmentStore.from_config(cfg.store)

@@ -15,7 +15,7 @@ from tests.configs import process_config_file
 @pytest.mark.slow
 def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
     path = process_config_file(tmp_path, "split", data={"num_batches": 6},
-                               learner={"groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3, "warmup_steps": 0})
+                               learner={"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3, "warmup_steps": 0})
     # Each process runs Prefect in ephemeral mode with its own database (two processes writing one
     # ephemeral SQLite database lock each other out; a shared deployment uses a Prefect server instead).
     def env(name):

@@ -103,6 +103,16 @@ def test_stale_groups_are_flagged_outside_the_limit_and_dropped_ones_never_come_
     assert store.query("SELECT sample_id FROM staleness ORDER BY 1").column("sample_id").to_pylist() == fresh
 
 
+def test_the_group_limit_can_differ_per_agent(store):
+    for i in range(3):
+        _finish(store, _group(store, f"s{i}"))
+        _finish(store, _group(store, f"v{i}", agent="verifier", turn=1))
+    listed = store.trainable_groups_by_agent(RUN, ["solver", "verifier"], limit={"solver": 1, "verifier": 2})
+    assert {agent: [g.group_id for g in groups] for agent, groups in listed.items()} == \
+        {"solver": ["s0"], "verifier": ["v0", "v1"]}  # oldest completion first, each agent to its own limit
+    assert [len(g) for g in store.trainable_groups_by_agent(RUN, ["solver", "verifier"], limit=2).values()] == [2, 2]
+
+
 def test_reads_of_a_batch_are_filtered_to_its_problems(store):
     store.add_problems(RUN, [type("P", (), dict(problem_id=p, prompt="q", answer="1", source="t"))()
                              for p in ("a", "b")])
