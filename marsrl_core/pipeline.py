@@ -51,8 +51,8 @@ def ready_groups(learner: Learner, flush: bool = False) -> list[TrainableGroup]:
     and the Corrector); empty unless some agent has that many ready
     (or `flush`, at the end of a run, when any ready group counts). Groups older than the learner's
     `max_staleness` come along flagged `stale` (the step drops them) but never make a step ready,
-    except at `flush` when no fresh group is left: the run's data is all there is, so up to
-    `groups_per_step` of them per agent are trained on rather than ending the run short of its steps."""
+    except at `flush` when no fresh group is left: the run's data is all there is, so up to a step's
+    count of them per agent (the newest) are trained on rather than ending the run short of its steps."""
     per_agent, bound = learner.cfg.learner.groups_per_step_by_agent(), learner.cfg.learner.max_staleness
     by_agent = learner.store.trainable_groups_by_agent(
         learner.run_id, AGENTS, limit=per_agent, min_version=None if bound is None else learner.step - bound)

@@ -16,7 +16,8 @@ def _under(tmp_path) -> dict[str, str]:
 
 
 def small_config(tmp_path, **extra) -> MarsRLConfig:
-    """Everything under `tmp_path`; `extra` overrides dotted keys."""
+    """Everything under `tmp_path`; `extra` overrides dotted keys. One group per agent per step (the
+    downstream count is pinned too: override both to change the step's size)."""
     overrides = {
         **_under(tmp_path),
         "rollout.num_generations": 4, "rollout.downstream_generations": 2, "rollout.problems_per_batch": 2,

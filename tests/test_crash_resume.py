@@ -29,7 +29,8 @@ KILLS = 12
 
 
 def _config(tmp_path: Path) -> Path:
-    # 16 batches hold ~96 groups and 12 steps take up to 8 each: with the groups dropped as stale
+    # 16 batches held ~96 groups (2 Solver, up to 4 Verifier and 4 Corrector groups each) and a step takes
+    # up to 4 per agent; 12 steps used ~90 of them, so with the groups dropped as stale
     # (`learner.max_staleness`) a run could end short of its budget. 24 leave a margin; the train flow
     # submits no batch once the learner has its steps, so the spare ones cost nothing.
     return process_config_file(
