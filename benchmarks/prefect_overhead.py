@@ -37,12 +37,13 @@ from marsrl_core.config import load_config  # noqa: E402
 
 BATCHES = 6
 REPEATS = 3
+PROBLEMS_PER_BATCH = 32  # --problems-per-batch 8 measures make train's batch size
 
 
 def config(root: Path, tag: str):
     return load_config("tiny", None, [
         f"store.catalog_url=sqlite:{root}/{tag}.sqlite", f"store.data_path={root}/{tag}-data",
-        f"output_dir={root}/out", "rollout.segment_tokens=32", "rollout.problems_per_batch=32"])
+        f"output_dir={root}/out", "rollout.segment_tokens=32", f"rollout.problems_per_batch={PROBLEMS_PER_BATCH}"])
 
 
 class WorkTimer:
@@ -112,7 +113,16 @@ def with_prefect(cfg, run_id: str, batches: int = BATCHES) -> dict:
 
 
 def main() -> None:
+    import argparse
+
     from flows.rollout import rollouts_flow
+
+    global PROBLEMS_PER_BATCH
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems-per-batch", type=int, default=PROBLEMS_PER_BATCH,
+                        help="Problems per rollout batch (32; `make train` uses 8). Other sizes write "
+                             "prefect_overhead_<n>.json.")
+    PROBLEMS_PER_BATCH = parser.parse_args().problems_per_batch
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -136,11 +146,13 @@ def main() -> None:
         "overhead_per_stage_s": overhead / stages, "stage_s": stage_s, "overhead_fraction": overhead / work,
         "overhead_per_run_s": per_run, "overhead_per_batch_s": (overhead - per_run) / BATCHES,
         "overhead_fraction_per_batch": (overhead - per_run) / work,
-        "paired_difference_fraction": paired, "batches": BATCHES, "stages": stages,
+        "paired_difference_fraction": paired, "batches": BATCHES, "problems_per_batch": PROBLEMS_PER_BATCH,
+        "stages": stages,
         "server_cpu_s": {"direct": median("direct", "server_cpu_s"), "prefect": median("prefect", "server_cpu_s")},
         "all_runs": runs,
     }
-    print_rows(f"rollout of {BATCHES} batches x 32 problems, tiny model, 32-token segments (median of {REPEATS})",
+    print_rows(f"rollout of {BATCHES} batches x {PROBLEMS_PER_BATCH} problems, tiny model, 32-token segments "
+               f"(median of {REPEATS})",
                ["path", "wall s", "in workers s", "stages", "API server CPU s"],
                [["direct (marsrl_core.workers)", median("direct", "wall_s"), median("direct", "work_s"),
                  runs["direct"][0]["stages"], median("direct", "server_cpu_s")],
@@ -151,7 +163,8 @@ def main() -> None:
           f"{overhead / work:.1%} of a stage (goal < 5%); of it {per_run:.2f} s once per flow run, "
           f"{figures['overhead_per_batch_s'] * 1000:.0f} ms per batch ({figures['overhead_fraction_per_batch']:.1%}). "
           f"Paired difference of medians: {paired:+.1%} (noise ±5%).")
-    print(f"wrote {write_results('prefect_overhead', figures)}")
+    name = "prefect_overhead" if PROBLEMS_PER_BATCH == 32 else f"prefect_overhead_{PROBLEMS_PER_BATCH}"
+    print(f"wrote {write_results(name, figures)}")
 
 
 if __name__ == "__main__":
