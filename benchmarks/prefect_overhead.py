@@ -37,13 +37,12 @@ from marsrl_core.config import load_config  # noqa: E402
 
 BATCHES = 6
 REPEATS = 3
-PROBLEMS_PER_BATCH = 32  # --problems-per-batch 8 measures make train's batch size
 
 
-def config(root: Path, tag: str):
+def config(root: Path, tag: str, problems_per_batch: int):
     return load_config("tiny", None, [
         f"store.catalog_url=sqlite:{root}/{tag}.sqlite", f"store.data_path={root}/{tag}-data",
-        f"output_dir={root}/out", "rollout.segment_tokens=32", f"rollout.problems_per_batch={PROBLEMS_PER_BATCH}"])
+        f"output_dir={root}/out", "rollout.segment_tokens=32", f"rollout.problems_per_batch={problems_per_batch}"])
 
 
 class WorkTimer:
@@ -117,21 +116,20 @@ def main() -> None:
 
     from flows.rollout import rollouts_flow
 
-    global PROBLEMS_PER_BATCH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--problems-per-batch", type=int, default=PROBLEMS_PER_BATCH,
+    parser.add_argument("--problems-per-batch", type=int, default=32,
                         help="Problems per rollout batch (32; `make train` uses 8). Other sizes write "
                              "prefect_overhead_<n>.json.")
-    PROBLEMS_PER_BATCH = parser.parse_args().problems_per_batch
+    problems = parser.parse_args().problems_per_batch
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        rollouts_flow(config(root, "warm"), "warm", [0])  # starts the temporary Prefect server and builds the tiny model
+        rollouts_flow(config(root, "warm", problems), "warm", [0])  # starts Prefect's temporary server, builds the model
         runs: dict[str, list[dict]] = {"direct": [], "prefect": [], "empty": []}
         for i in range(REPEATS):
-            runs["direct"].append(direct(config(root, f"direct{i}"), f"direct{i}"))
-            runs["prefect"].append(with_prefect(config(root, f"prefect{i}"), f"prefect{i}"))
-            runs["empty"].append(with_prefect(config(root, f"empty{i}"), f"empty{i}", batches=0))
+            runs["direct"].append(direct(config(root, f"direct{i}", problems), f"direct{i}"))
+            runs["prefect"].append(with_prefect(config(root, f"prefect{i}", problems), f"prefect{i}"))
+            runs["empty"].append(with_prefect(config(root, f"empty{i}", problems), f"empty{i}", batches=0))
 
     def median(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[kind])
@@ -146,12 +144,12 @@ def main() -> None:
         "overhead_per_stage_s": overhead / stages, "stage_s": stage_s, "overhead_fraction": overhead / work,
         "overhead_per_run_s": per_run, "overhead_per_batch_s": (overhead - per_run) / BATCHES,
         "overhead_fraction_per_batch": (overhead - per_run) / work,
-        "paired_difference_fraction": paired, "batches": BATCHES, "problems_per_batch": PROBLEMS_PER_BATCH,
+        "paired_difference_fraction": paired, "batches": BATCHES, "problems_per_batch": problems,
         "stages": stages,
         "server_cpu_s": {"direct": median("direct", "server_cpu_s"), "prefect": median("prefect", "server_cpu_s")},
         "all_runs": runs,
     }
-    print_rows(f"rollout of {BATCHES} batches x {PROBLEMS_PER_BATCH} problems, tiny model, 32-token segments "
+    print_rows(f"rollout of {BATCHES} batches x {problems} problems, tiny model, 32-token segments "
                f"(median of {REPEATS})",
                ["path", "wall s", "in workers s", "stages", "API server CPU s"],
                [["direct (marsrl_core.workers)", median("direct", "wall_s"), median("direct", "work_s"),
@@ -163,7 +161,7 @@ def main() -> None:
           f"{overhead / work:.1%} of a stage (goal < 5%); of it {per_run:.2f} s once per flow run, "
           f"{figures['overhead_per_batch_s'] * 1000:.0f} ms per batch ({figures['overhead_fraction_per_batch']:.1%}). "
           f"Paired difference of medians: {paired:+.1%} (noise ±5%).")
-    name = "prefect_overhead" if PROBLEMS_PER_BATCH == 32 else f"prefect_overhead_{PROBLEMS_PER_BATCH}"
+    name = "prefect_overhead" if problems == 32 else f"prefect_overhead_{problems}"
     print(f"wrote {write_results(name, figures)}")
 
 

@@ -32,10 +32,18 @@ CALLS, WARMUP = 2000, 250
 VARIANTS = ("select_1", "lake_count", "trainable_groups", "append", "append_compacted")
 
 
+def finished(rows) -> dict[str, list]:
+    """A 20-token segment and a reward for each sample row: what finishing them appends."""
+    from marsrl_core.store import RewardRow, SegmentRow
+
+    return {"segments": [SegmentRow(r.sample_id, 0, [1] * 20, [-0.1] * 20, 0, "stop") for r in rows],
+            "rewards": [RewardRow(r.sample_id, 1.0, True) for r in rows]}
+
+
 def measure(variant: str) -> dict[str, float]:
     import psutil
 
-    from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore
+    from marsrl_core.store import SampleRow, SegmentStore
 
     with tempfile.TemporaryDirectory() as tmp:
         store = SegmentStore(f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
@@ -43,13 +51,11 @@ def measure(variant: str) -> dict[str, float]:
             rows = [SampleRow(uuid.uuid4().hex, f"b{b}", "solver", 0, f"g{b}-{i // 16}", 16, [1, 2, 3])
                     for i in range(64)]
             store.append("r", samples=rows)
-            store.append("r", segments=[SegmentRow(r.sample_id, 0, [1] * 20, [-0.1] * 20, 0, "stop") for r in rows],
-                         rewards=[RewardRow(r.sample_id, 1.0, True) for r in rows])
+            store.append("r", **finished(rows))
+
         def append(call: int) -> None:
             rows = [SampleRow(uuid.uuid4().hex, f"a{call}", "verifier", 1, f"a{call}", 4, [1, 2, 3]) for _ in range(4)]
-            store.append("r", samples=rows,
-                         segments=[SegmentRow(r.sample_id, 0, [1] * 20, [-0.1] * 20, 0, "stop") for r in rows],
-                         rewards=[RewardRow(r.sample_id, 1.0, True) for r in rows])
+            store.append("r", samples=rows, **finished(rows))
             if variant == "append_compacted" and call % 250 == 0:
                 store.compact()
 

@@ -8,8 +8,8 @@ late here (an empty flow: 1.05 s with its heartbeat, 0.05 s without). That was m
 flow's Prefect overhead on the tiny model, whose batches take seconds.
 
 Prefect's `temporary_settings` re-validates the whole settings model on every entry (~75 ms here,
-more than a subflow's own API calls), so the heartbeat-free settings are built once per base
-settings object and re-entered from a cache.
+more than a subflow's own API calls), so the heartbeat-free settings are built once and re-entered
+while the base settings object stays the same (a run has one; a new base rebuilds them).
 
 Deliberate simplification: the setting is switched off for everything run inside the block, so the
 block holds only subflow calls of a running flow.
@@ -24,19 +24,16 @@ from contextlib import contextmanager
 import prefect.context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 
-_without_heartbeat: dict[int, tuple[Settings, Settings]] = {}  # id(base) -> (base, base without heartbeat)
+_last: tuple[Settings, Settings] | None = None  # (base, base without heartbeat)
 _lock = threading.Lock()
 
 
 def _heartbeat_free(base: Settings) -> Settings:
+    global _last
     with _lock:
-        cached = _without_heartbeat.get(id(base))
-        if cached is None or cached[0] is not base:  # a new base (an id can be reused once one is freed)
-            if len(_without_heartbeat) > 16:
-                _without_heartbeat.clear()
-            cached = (base, base.copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
-            _without_heartbeat[id(base)] = cached
-        return cached[1]
+        if _last is None or _last[0] is not base:
+            _last = (base, base.copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}))
+        return _last[1]
 
 
 @contextmanager
