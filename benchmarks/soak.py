@@ -10,8 +10,9 @@ finished, the learner trains on what is left and stops; both record their store 
 Reports: store rows per table (and how many consumptions were samples dropped as too stale), policy
 versions, lock retries per process, RSS at the start (after the first learner step) and at the end
 with the growth in between, and its slope over the second half (goal: flat), the run's disk use (it
-keeps the 3 newest checkpoints and logs every 100th to MLflow), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
-lock_retries, rss_mb, disk_mb, errors.
+keeps the 3 newest checkpoints and logs every 100th to MLflow), the DuckLake commits (snapshots in
+the catalog), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
+ducklake_commits, lock_retries, rss_mb, disk_mb, errors.
 
 Run: `python benchmarks/soak.py --minutes 10`.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -131,13 +133,18 @@ def main() -> None:
            for i, name in ((1, "rollout"), (2, "learner"), (3, "rollout (no children)"), (4, "learner (no children)"))}
     disk_mb = sum(f.stat().st_size for f in work.rglob("*") if f.is_file()) / 2**20
     versions = store.latest_version(RUN)
+    with sqlite3.connect(f"file:{work}/lake.sqlite?mode=ro", uri=True) as catalog:  # one snapshot per commit
+        commits = catalog.execute("SELECT count(*) FROM ducklake_snapshot").fetchone()[0]
     figures = {"duration_s": duration, "rows": rows, "versions": versions[0] if versions else 0,
-               "lock_retries": retries, "rss_mb": rss, "disk_mb": disk_mb, "errors": errors, "samples": samples}
+               "ducklake_commits": commits, "lock_retries": retries, "rss_mb": rss, "disk_mb": disk_mb,
+               "errors": errors, "samples": samples}
     print_rows("soak: store rows", ["table", "rows"], [[t, n] for t, n in rows.items()])
     print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB",
                                    "MB/min, 2nd half", "lock retries"],
                [[name, r["start"], r["end"], r["growth"], r["mb_per_min_second_half"], retries.get(name, "")]
                 for name, r in rss.items()])
+    print(f"DuckLake commits (catalog snapshots, both processes): {commits}, {commits / duration:.1f} a second; "
+          f"the learner commits once per policy version, the rollout most of the rest")
     print(f"duration {duration:.0f} s, policy versions {figures['versions']}, disk {disk_mb:.0f} MB "
           f"(store, checkpoints kept: 3, MLflow), errors: {errors or 'none'}")
     print(f"written to {write_results('soak', figures)}; logs in {work}")
