@@ -3,7 +3,8 @@
 For each problem: k Solver samples (Solver avg@k); one Verifier pass over each sample (precision and
 recall of `Wrong` verdicts, i.e. of catching wrong solutions, and balanced accuracy over both
 classes); one Corrector pass over each sample given that report (fix rate: wrong → right; break rate:
-right → wrong); then the V-C loop with k workers, each starting from one of the Solver samples
+right → wrong; and the break rate on the right solutions the Verifier wrongly flagged, where most
+breaks happen: a Corrector that trusts a false report "repairs" a right step); then the V-C loop with k workers, each starting from one of the Solver samples
 (V-C avg@k). Tokens per problem count every generated token of the Solver samples and of the loop.
 
 Deliberate simplifications: one Verifier/Corrector pass per Solver sample (not a group); a rate with
@@ -38,6 +39,7 @@ class EvalReport:
     verifier_unparsable: int
     corrector_fix: float
     corrector_break: float
+    corrector_break_false_flag: float  # of right solutions judged Wrong, the fraction the Corrector broke
     vc_acc: float
     tokens_per_problem: float
 
@@ -71,6 +73,7 @@ def evaluate(generator: TextGenerator | dict[str, TextGenerator], roles: Roles, 
     fixed_right = [judge_solution(f.text, p.answer, f.truncated).correct for (p, _), f in zip(pairs, fixes)]
     fixed = sum(fr and not ok for fr, ok in zip(fixed_right, right))
     broken = sum(ok and not fr for fr, ok in zip(fixed_right, right))
+    false_flags = [fr for fr, ok, v in zip(fixed_right, right, verdicts) if ok and v == WRONG]
 
     initial = [[solutions[pi * k + i].text for i in range(k)] for pi in range(len(problems))]
     vc = run_vc_loop(generator, roles, [p.prompt for p in problems], workers=k, accept_after=accept_after,
@@ -85,6 +88,7 @@ def evaluate(generator: TextGenerator | dict[str, TextGenerator], roles: Roles, 
         verifier_bal_acc=sum(parts) / len(parts) if parts else math.nan,
         verifier_unparsable=sum(v is None for v in verdicts),
         corrector_fix=_rate(fixed, n_wrong), corrector_break=_rate(broken, n_right),
+        corrector_break_false_flag=_rate(false_flags.count(False), len(false_flags)),
         vc_acc=_rate(sum(vc_right), len(vc_right)),
         tokens_per_problem=tokens / len(problems),
     )

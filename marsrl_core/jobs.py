@@ -52,9 +52,11 @@ def print_report(console: Console, reports: dict[str, EvalReport | dict]) -> Non
     rows = [("Solver accuracy", "solver_acc"), ("Verifier balanced accuracy", "verifier_bal_acc"),
             ("Verifier: wrong solutions caught", "verifier_recall"), ("Verifier precision (Wrong)", "verifier_precision"),
             ("Corrector fix rate", "corrector_fix"), ("Corrector break rate", "corrector_break"),
+            ("Corrector break rate after a false flag", "corrector_break_false_flag"),
             ("V-C system accuracy", "vc_acc"), ("tokens per problem", "tokens_per_problem")]
     for name, key in rows:
-        values = [r[key] if isinstance(r, dict) else getattr(r, key) for r in reports.values()]
+        # a dict is a recorded evaluation: one recorded before a measure existed lacks it
+        values = [r.get(key, math.nan) if isinstance(r, dict) else getattr(r, key) for r in reports.values()]
         table.add_row(name, *["n/a" if math.isnan(v) else (f"{v:.0f}" if key.startswith("tokens") else f"{v:.1%}")
                               for v in values])
     console.print(table)

@@ -37,6 +37,7 @@ def test_metrics_match_a_hand_count():
     assert report.verifier_precision == pytest.approx(2 / 4)  # 4 Wrong verdicts, 2 on wrong solutions
     assert report.verifier_bal_acc == pytest.approx((0.5 + 0.0) / 2)
     assert report.corrector_fix == pytest.approx(2 / 4) and report.corrector_break == 0.0
+    assert report.corrector_break_false_flag == 0.0  # a: flagged while right, kept right (both samples)
     # V-C: a is flagged then "corrected" to the same right answer; b fixed; c accepted while wrong.
     assert report.vc_acc == pytest.approx(4 / 6)
     assert report.tokens_per_problem > 0 and report.verifier_unparsable == 0
@@ -48,6 +49,7 @@ def test_rates_without_cases_are_nan():
     report = evaluate(gen, Roles.from_config(base=TINY_TEMPLATES), [Problem("a", "1+1", "2")], k=1,
                       max_tokens=BUDGET, accept_after=1)
     assert report.solver_acc == 1.0 and math.isnan(report.corrector_fix) and report.vc_acc == 1.0
+    assert math.isnan(report.corrector_break_false_flag)  # nothing was flagged
 
 
 def test_per_agent_checkpoints_evaluate_each_role_with_its_own_model(tmp_path):
