@@ -20,7 +20,9 @@ Writes benchmarks/results/learning_spread.json: seeds, runs (per seed), and per 
 before, after and gain, and the margin. Run: `python benchmarks/learning_spread.py --seeds 5`
 (about 100 s of training and evaluation per seed on 2 CPU cores). With `--set key=value` it measures a
 variant of the run instead and writes learning_spread_variant.json (as does `--first-seed`; how
-`learner.downstream_groups_per_step=8` was compared before the tiny preset took it).
+`learner.downstream_groups_per_step=8` was compared before the tiny preset took it); `--name` names
+the file instead. The Corrector's fix and break rates and the V-C accuracy are summarised the same
+way, to compare variants on them (the test's margins use the Solver and the Verifier).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
 
-MEASURES = {"solver": "solver_acc", "verifier": "verifier_bal_acc"}
+MEASURES = {"solver": "solver_acc", "verifier": "verifier_bal_acc", "corrector_fix": "corrector_fix",
+            "corrector_break": "corrector_break", "vc": "vc_acc"}
 
 
 def run_seed(seed: int, extra: list[str] | None = None) -> dict[str, float]:
@@ -78,6 +81,8 @@ def main() -> None:
                         help="Override a field of the learning run (repeatable), to compare a variant's "
                         "spread; the figures then go to learning_spread_variant.json, not the margins' file.")
     parser.add_argument("--first-seed", type=int, default=0, help="The first seed.")
+    parser.add_argument("--name", help="Results file name (default: learning_spread, or learning_spread_variant "
+                        "with --set or --first-seed).")
     args = parser.parse_args()
     runs = [run_seed(seed, args.overrides) for seed in range(args.first_seed, args.first_seed + max(2, args.seeds))]
     summary = summarise(runs)
@@ -90,7 +95,7 @@ def main() -> None:
                [[name, f"{s['before_mean']:.3f} ± {s['before_sd']:.3f}", f"{s['after_mean']:.3f} ± {s['after_sd']:.3f}",
                  f"{s['gain_mean']:.3f} ± {s['gain_sd']:.3f}", s["gain_min"], s["margin"], s["gain_sds_above_margin"]]
                 for name, s in summary.items()])
-    name = "learning_spread_variant" if args.overrides or args.first_seed else "learning_spread"
+    name = args.name or ("learning_spread_variant" if args.overrides or args.first_seed else "learning_spread")
     path = write_results(name, {"seeds": len(runs), "overrides": args.overrides, "runs": runs, **summary})
     print(f"figures written to {path}")
 
