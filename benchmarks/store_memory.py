@@ -6,23 +6,18 @@ store: `select_1` (`SELECT 1`, no lake table), `lake_count` (a count over the sa
 `trainable_groups` (the learner's poll, three lake tables, one registered Arrow key table). Writes,
 which grow the store as a run does: `append` (one transaction of 4 samples with their segments and
 rewards, what a rollout stage commits, so 3 new data files each), and `append_compacted` (the same,
-with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would). Growth per
-call is the least-squares slope of RSS sampled every 50 calls after the first 250 (past warm-up); two
-samples alone would read the saw-tooth of the reconnects as growth or loss. It is how the soak's
-remaining memory growth was traced to queries over lake tables and to the store's growth, both kept
-by the DuckDB connection. Each variant runs twice: with one connection for the whole process
-(`reconnect_every=0`) and with the store's default, a fresh connection every 500 operations.
+with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would). Growth is RSS
+after the last call minus RSS after the first 250 (past warm-up), per call. It is how the soak's
+remaining memory growth was traced to queries over lake tables and to the store's growth.
 
 Run: `python benchmarks/store_memory.py`. Writes benchmarks/results/store_memory.json with, per
-variant and connection policy ("<variant>" with the default, "<variant> one connection" without
-reconnects), rss_start_mb, rss_end_mb and kb_per_operation. Each runs in its own process.
+variant, rss_start_mb, rss_end_mb and kb_per_operation. Each variant runs in its own process.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
 
-CALLS, WARMUP, SAMPLE_EVERY = 2000, 250, 50
+CALLS, WARMUP = 2000, 250
 VARIANTS = ("select_1", "lake_count", "trainable_groups", "append", "append_compacted")
 
 
@@ -45,13 +40,13 @@ def finished(rows) -> dict[str, list]:
             "rewards": [RewardRow(r.sample_id, 1.0, True) for r in rows]}
 
 
-def measure(variant: str, reconnect_every: int) -> dict[str, float]:
+def measure(variant: str) -> dict[str, float]:
     import psutil
 
     from marsrl_core.store import SampleRow, SegmentStore
 
     with tempfile.TemporaryDirectory() as tmp:
-        store = SegmentStore(f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data", reconnect_every=reconnect_every)
+        store = SegmentStore(f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
         for b in range(30):
             rows = [SampleRow(uuid.uuid4().hex, f"b{b}", "solver", 0, f"g{b}-{i // 16}", 16, [1, 2, 3])
                     for i in range(64)]
@@ -74,25 +69,22 @@ def measure(variant: str, reconnect_every: int) -> dict[str, float]:
         process, rss = psutil.Process(), {}
         for call in range(1, CALLS + 1):
             operations[variant](call)
-            if call >= WARMUP and call % SAMPLE_EVERY == 0:
+            if call in (WARMUP, CALLS):
                 gc.collect()
                 rss[call] = process.memory_info().rss / 2**20
-    slope = statistics.linear_regression(list(rss), list(rss.values())).slope
-    return {"rss_start_mb": rss[WARMUP], "rss_end_mb": rss[CALLS], "kb_per_operation": slope * 1024}
+    return {"rss_start_mb": rss[WARMUP], "rss_end_mb": rss[CALLS],
+            "kb_per_operation": (rss[CALLS] - rss[WARMUP]) * 1024 / (CALLS - WARMUP)}
 
 
 def main() -> None:
-    from marsrl_core.config import StoreConfig
-
-    if len(sys.argv) == 4 and sys.argv[1] == "--variant":  # the child process of one variant
-        print(json.dumps(measure(sys.argv[2], int(sys.argv[3]))))
+    if len(sys.argv) == 3 and sys.argv[1] == "--variant":  # the child process of one variant
+        print(json.dumps(measure(sys.argv[2])))
         return
     figures = {}
     for variant in VARIANTS:
-        for name, reconnect_every in ((f"{variant} one connection", 0), (variant, StoreConfig().reconnect_every)):
-            out = subprocess.run([sys.executable, __file__, "--variant", variant, str(reconnect_every)],
-                                 capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-            figures[name] = json.loads(out)
+        out = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
+                             check=True).stdout.strip().splitlines()[-1]
+        figures[variant] = json.loads(out)
     print_rows(f"RSS growth over {CALLS - WARMUP} repeated operations", ["operation", "RSS after warm-up MB",
                "RSS at end MB", "KB per operation"],
                [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_operation"]] for v, f in figures.items()])

@@ -206,10 +206,6 @@ class StoreConfig(_Section):
         description="DuckLake catalog: 'sqlite:<file>' locally, 'postgres:<dsn>' for a cluster.",
     )
     data_path: str = Field("marsrl/lake_data/", description="Where DuckLake writes Parquet files (a folder or s3:// URL).")
-    reconnect_every: int = Field(
-        500, ge=0, description="Replace the store's DuckDB connection after this many operations (0 never). A "
-        "connection keeps memory for every DuckLake snapshot and lake query it has seen, so a long-lived "
-        "process grows without it; a reconnect costs ~0.14 s.")
 
 
 class TrackingConfig(_Section):

@@ -21,12 +21,6 @@ Concurrency: the SQLite catalog runs in WAL mode; a commit that meets a lock or 
 rolled back and retried with jittered exponential backoff (counted in `lock_retries`). Appends never
 conflict logically, so a retry always converges.
 
-Memory: a DuckDB connection attached to DuckLake keeps state for every snapshot it has seen and for
-the queries it has run over lake tables (measured: ~20 KB per append, ~8-20 KB per read of an unchanged
-store, not returned by `malloc_trim`, not released by `duckdb_memory()` limits). A process that lives
-for days would grow without bound, so the store replaces its connection every `reconnect_every`
-operations (a fresh ATTACH, ~0.14 s here); with it the growth is flat (`benchmarks/store_memory.py`).
-
 Deliberate simplifications: one DuckDB connection per Store guarded by a lock (tasks in threads
 share it); unknown-sample checks use a bounded in-process cache and fall back to one query.
 """
@@ -181,38 +175,20 @@ def _as_array(values: Any, kind: str, name: str) -> np.ndarray:
 class SegmentStore:
     """The DuckLake segment store. Open one per process; it is safe to share between threads."""
 
-    def __init__(self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True,
-                 reconnect_every: int = 500):
+    def __init__(self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True):
         self.catalog_url = catalog_url
         self.data_path = data_path
         self.max_retries = max_retries
-        self.reconnect_every = reconnect_every
         self.lock_retries = 0
-        self.reconnects = 0
-        self._operations = 0  # on the current connection
         self._lock = threading.RLock()
         self._known_samples: set[tuple[str, str]] = set()  # (run_id, sample_id) seen in the store
         self._con = self._connect(create)
-        self._transaction(lambda c: [c.execute(sql) for sql in table_ddl(CATALOG) + view_ddl(CATALOG)])
 
     @classmethod
     def from_config(cls, store_config: Any, **kwargs: Any) -> "SegmentStore":
-        return cls(store_config.catalog_url, store_config.data_path, reconnect_every=store_config.reconnect_every,
-                   **kwargs)
+        return cls(store_config.catalog_url, store_config.data_path, **kwargs)
 
     # ------------------------------------------------------------------ connection
-    def _connection(self) -> duckdb.DuckDBPyConnection:
-        """The connection for the next operation (the caller holds the lock): a fresh one every
-        `reconnect_every` operations, opened before the old one is closed (a failed open leaves the old
-        one in use and raises, so the operation's retry tries again)."""
-        self._operations += 1
-        if self.reconnect_every and self._operations > self.reconnect_every:
-            fresh = self._connect(create=False)
-            self._con.close()
-            self._con, self._operations = fresh, 1
-            self.reconnects += 1
-        return self._con
-
     def _connect(self, create: bool) -> duckdb.DuckDBPyConnection:
         kind, _, target = self.catalog_url.partition(":")
         if kind not in ("sqlite", "postgres") or not target:
@@ -253,10 +229,9 @@ class SegmentStore:
         try:
             con.execute(f"ATTACH 'ducklake:{self.catalog_url}' AS {CATALOG} (DATA_PATH '{data_path}')")
         except duckdb.Error as err:
-            con.close()
-            if _is_transient(err):  # a reconnect that met a lock: the operation's retry tries again
-                raise
             raise StoreError(f"catalog_url={self.catalog_url!r}: cannot attach DuckLake catalog ({err})") from None
+        self._con = con
+        self._transaction(lambda c: [c.execute(sql) for sql in table_ddl(CATALOG) + view_ddl(CATALOG)])
         return con
 
     @staticmethod
@@ -291,15 +266,14 @@ class SegmentStore:
 
         def attempt() -> Any:
             with self._lock:
-                con = self._connection()
-                con.execute("BEGIN TRANSACTION")
+                self._con.execute("BEGIN TRANSACTION")
                 try:
-                    result = body(con)
-                    con.execute("COMMIT")
+                    result = body(self._con)
+                    self._con.execute("COMMIT")
                     return result
                 except BaseException:
                     try:
-                        con.execute("ROLLBACK")
+                        self._con.execute("ROLLBACK")
                     except duckdb.Error:
                         pass
                     raise
@@ -309,14 +283,13 @@ class SegmentStore:
     def _read(self, sql: str, params: Sequence[Any] = (), tables: dict[str, pa.Table] | None = None) -> pa.Table:
         def attempt() -> pa.Table:
             with self._lock:
-                con = self._connection()
                 for name, table in (tables or {}).items():
-                    con.register(name, table)
+                    self._con.register(name, table)
                 try:
-                    return con.execute(sql, list(params)).to_arrow_table()
+                    return self._con.execute(sql, list(params)).to_arrow_table()
                 finally:
                     for name in tables or {}:
-                        con.unregister(name)
+                        self._con.unregister(name)
 
         return self._retry(attempt)
 
@@ -688,13 +661,12 @@ class SegmentStore:
         """Run any SQL with the lake as the default catalog (tables and views unqualified)."""
         def attempt() -> pa.Table:
             with self._lock:
-                con = self._connection()
-                con.execute(f"USE {CATALOG}")
+                self._con.execute(f"USE {CATALOG}")
                 try:
-                    result = con.execute(sql, list(params))
+                    result = self._con.execute(sql, list(params))
                     return result.to_arrow_table() if result.description else pa.table({})
                 finally:
-                    con.execute("USE memory")
+                    self._con.execute("USE memory")
         return self._retry(attempt)
 
     def count(self, table: str, run_id: str | None = None) -> int:
@@ -719,7 +691,7 @@ class SegmentStore:
 
         def run(sql: str) -> None:
             with self._lock:
-                self._connection().execute(sql)
+                self._con.execute(sql)
 
         for sql in (f"CALL ducklake_flush_inlined_data('{CATALOG}')",
                     f"CALL ducklake_merge_adjacent_files('{CATALOG}')",

@@ -195,24 +195,3 @@ def test_sample_ids_are_known_per_run(store):
     ids = _group(store, "g")
     with pytest.raises(StoreError, match="unknown sample id.*'other-run'"):
         store.append("other-run", segments=[SegmentRow(ids[0], 0, [1], [-0.1], 0, "stop")])
-
-
-def test_the_connection_is_replaced_every_n_operations_without_losing_anything(store_paths):
-    """`reconnect_every` bounds the memory a long-lived process keeps per connection; reads, commits and
-    exactly-once consumption must be the same across the switches."""
-    store = SegmentStore(*store_paths, reconnect_every=3)
-    ids = []
-    for g in range(6):
-        ids += _group(store, f"g{g}")
-        _finish(store, ids[-2:])
-    assert store.reconnects >= 4  # 18 operations so far, a fresh connection every 3
-    assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == [f"g{g}" for g in range(6)]
-    store.commit_step(RUN, 1, {"solver": ids[:4]}, "ckpt/1")
-    with pytest.raises(StoreError, match="already consumed"):  # a failed transaction on one connection ...
-        store.commit_step(RUN, 2, {"solver": ids[2:6]}, "ckpt/2")
-    for _ in range(4):  # ... leaves nothing behind on the next ones
-        assert store.latest_version(RUN) == (1, "ckpt/1")
-    assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == ["g2", "g3", "g4", "g5"]
-    assert store.query("SELECT count(*) AS n FROM samples").column("n")[0].as_py() == 12
-    assert store.load_samples(RUN, [ids[7]])[ids[7]].token_ids.tolist() == [1]
-    store.close()
