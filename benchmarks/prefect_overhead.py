@@ -1,15 +1,20 @@
 """Prefect overhead per rollout stage: the same rollout batches decoded turn by turn directly through
 `marsrl_core.workers` and through the Prefect `rollouts` flow (what `marsrl rollout` runs: one rollout
-subflow per batch, a DAG of agent-turn tasks), side by side.
+subflow per batch, a DAG of agent-turn tasks), side by side. Both paths run `rollout.batches_in_flight`
+batches at a time (the default, 2), as the `train` and `rollouts` flows do; `--batches-in-flight 1`
+runs them one after another.
 
-The overhead is accounted inside each Prefect run: its wall-clock minus the time spent in the
-`workers` calls its tasks make (the work both paths do). Subtracting two runs' totals instead (the
-paired difference, also printed) cannot resolve a 5% goal here: decoding times of identical runs
-differ by ±5% on this shared machine. The overhead has two parts, both reported:
+The overhead is accounted inside each run: its wall-clock minus the time during which some `workers`
+call (the work both paths do: recording a batch, decoding a turn, marking a batch done) was running,
+the union of those calls' intervals. With batches in flight, one batch's Prefect bookkeeping
+overlaps another batch's decoding and costs nothing on the critical path; what is left is the time
+no decoding happened. Subtracting two runs' totals instead (the paired difference, also printed)
+cannot resolve a 5% goal here: decoding times of identical runs differ by ±5% on this shared
+machine. The overhead has two parts, both reported:
 - per flow run, once: the parent flow's start and end (~1 s: Prefect joins its heartbeat thread,
   which sleeps in one-second steps), measured as the `rollouts` flow over no batch;
 - per batch: the rollout subflow and its turn tasks (API calls, state changes, parameter checks).
-`overhead_fraction` is everything over the work, for this run of `BATCHES` batches;
+`overhead_fraction` is everything over the work (the union above), for this run of `BATCHES` batches;
 `overhead_fraction_per_batch` leaves out the once-per-run part, which a longer run spreads thinner.
 Prefect's temporary API server is a child process: the CPU seconds it uses during each run are
 reported too (`server_cpu_s`); on two cores they compete with decoding, which the paired difference
@@ -26,7 +31,9 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -39,20 +46,36 @@ BATCHES = 6
 REPEATS = 3
 
 
-def config(root: Path, tag: str, problems_per_batch: int):
+def config(root: Path, tag: str, problems_per_batch: int, batches_in_flight: int):
     return load_config("tiny", None, [
         f"store.catalog_url=sqlite:{root}/{tag}.sqlite", f"store.data_path={root}/{tag}-data",
-        f"output_dir={root}/out", "rollout.segment_tokens=32", f"rollout.problems_per_batch={problems_per_batch}"])
+        f"output_dir={root}/out", "rollout.segment_tokens=32", f"rollout.problems_per_batch={problems_per_batch}",
+        f"rollout.batches_in_flight={batches_in_flight}"])
+
+
+def union_s(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 class WorkTimer:
-    """Wraps the `workers` functions the rollout tasks call and sums the seconds spent inside them."""
+    """Wraps the `workers` functions the rollout tasks call and records when each call ran."""
 
-    NAMES = ("record_batch", "rollout_turn")
+    NAMES = ("record_batch", "rollout_turn", "mark_batch_done")
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.intervals: list[tuple[float, float]] = []
+        self.lock = threading.Lock()
         self.originals = {name: getattr(workers, name) for name in self.NAMES}
+
+    @property
+    def seconds(self) -> float:
+        return union_s(self.intervals)
 
     def __enter__(self) -> WorkTimer:
         for name, original in self.originals.items():
@@ -69,7 +92,8 @@ class WorkTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                with self.lock:
+                    self.intervals.append((start, time.perf_counter()))
         return timed
 
 
@@ -88,14 +112,24 @@ def children_cpu_s() -> float:
 
 
 def direct(cfg, run_id: str) -> dict:
+    """The same batches without Prefect: `batches_in_flight` threads, each batch's turns in order, the
+    oldest batch awaited before the next starts (as `flows.rollout.run_batches` does)."""
+    def batch(index: int) -> int:
+        workers.record_batch(cfg, run_id, index)
+        stages = sum(workers.rollout_turn(cfg, run_id, index, turn)["stages"] for turn in range(cfg.rollout.max_turns))
+        workers.mark_batch_done(cfg, run_id, index)
+        return stages
+
     server_cpu = children_cpu_s()
-    stages, start = 0, time.perf_counter()
-    for batch in range(BATCHES):
-        workers.record_batch(cfg, run_id, batch)
-        for turn in range(cfg.rollout.max_turns):
-            stages += workers.rollout_turn(cfg, run_id, batch, turn)["stages"]
-    wall = time.perf_counter() - start
-    return {"wall_s": wall, "work_s": wall, "stages": stages, "server_cpu_s": children_cpu_s() - server_cpu}
+    with WorkTimer() as work, ThreadPoolExecutor(max_workers=8) as pool:
+        pending, running, stages = list(range(BATCHES)), [], 0
+        start = time.perf_counter()
+        while pending or running:
+            while pending and len(running) < cfg.rollout.batches_in_flight:
+                running.append(pool.submit(batch, pending.pop(0)))
+            stages += running.pop(0).result()
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, "work_s": work.seconds, "stages": stages, "server_cpu_s": children_cpu_s() - server_cpu}
 
 
 def with_prefect(cfg, run_id: str, batches: int = BATCHES) -> dict:
@@ -120,16 +154,21 @@ def main() -> None:
     parser.add_argument("--problems-per-batch", type=int, default=32,
                         help="Problems per rollout batch (32; `make train` uses 8). Other sizes write "
                              "prefect_overhead_<n>.json.")
-    problems = parser.parse_args().problems_per_batch
+    parser.add_argument("--batches-in-flight", type=int, default=2,
+                        help="Batches decoding at once in both paths (2, the default of `rollout.batches_in_flight`; "
+                             "1 runs them one after another and writes prefect_overhead[_<n>]_sequential.json).")
+    args = parser.parse_args()
+    problems, in_flight = args.problems_per_batch, args.batches_in_flight
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        rollouts_flow(config(root, "warm", problems), "warm", [0])  # starts Prefect's temporary server, builds the model
+        # starts Prefect's temporary server, builds the model
+        rollouts_flow(config(root, "warm", problems, in_flight), "warm", [0])
         runs: dict[str, list[dict]] = {"direct": [], "prefect": [], "empty": []}
         for i in range(REPEATS):
-            runs["direct"].append(direct(config(root, f"direct{i}", problems), f"direct{i}"))
-            runs["prefect"].append(with_prefect(config(root, f"prefect{i}", problems), f"prefect{i}"))
-            runs["empty"].append(with_prefect(config(root, f"empty{i}", problems), f"empty{i}", batches=0))
+            runs["direct"].append(direct(config(root, f"direct{i}", problems, in_flight), f"direct{i}"))
+            runs["prefect"].append(with_prefect(config(root, f"prefect{i}", problems, in_flight), f"prefect{i}"))
+            runs["empty"].append(with_prefect(config(root, f"empty{i}", problems, in_flight), f"empty{i}", batches=0))
 
     def median(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[kind])
@@ -145,13 +184,14 @@ def main() -> None:
         "overhead_per_run_s": per_run, "overhead_per_batch_s": (overhead - per_run) / BATCHES,
         "overhead_fraction_per_batch": (overhead - per_run) / work,
         "paired_difference_fraction": paired, "batches": BATCHES, "problems_per_batch": problems,
-        "stages": stages,
+        "batches_in_flight": in_flight, "stages": stages,
+        "direct_uncovered_s": median("direct", "wall_s") - median("direct", "work_s"),
         "server_cpu_s": {"direct": median("direct", "server_cpu_s"), "prefect": median("prefect", "server_cpu_s")},
         "all_runs": runs,
     }
-    print_rows(f"rollout of {BATCHES} batches x {problems} problems, tiny model, 32-token segments "
-               f"(median of {REPEATS})",
-               ["path", "wall s", "in workers s", "stages", "API server CPU s"],
+    print_rows(f"rollout of {BATCHES} batches x {problems} problems, {in_flight} in flight, tiny model, "
+               f"32-token segments (median of {REPEATS})",
+               ["path", "wall s", "in workers s (union)", "stages", "API server CPU s"],
                [["direct (marsrl_core.workers)", median("direct", "wall_s"), median("direct", "work_s"),
                  runs["direct"][0]["stages"], median("direct", "server_cpu_s")],
                 ["Prefect: rollouts flow > rollout subflows > tasks", median("prefect", "wall_s"), work, stages,
@@ -161,7 +201,7 @@ def main() -> None:
           f"{overhead / work:.1%} of a stage (goal < 5%); of it {per_run:.2f} s once per flow run, "
           f"{figures['overhead_per_batch_s'] * 1000:.0f} ms per batch ({figures['overhead_fraction_per_batch']:.1%}). "
           f"Paired difference of medians: {paired:+.1%} (noise ±5%).")
-    name = "prefect_overhead" if problems == 32 else f"prefect_overhead_{problems}"
+    name = "prefect_overhead" + ("" if problems == 32 else f"_{problems}") + ("" if in_flight > 1 else "_sequential")
     print(f"wrote {write_results(name, figures)}")
 
 

@@ -1,11 +1,17 @@
 """The rollout flow: one problem batch as a DAG of Solver -> Verifier -> Corrector -> Verifier ->
 Corrector tasks. Each task decodes its turn segment by segment through the process's shared engine;
-several rollout flows running at once share its segment batches (the agentic pipeline). The
-`rollouts` flow runs batches one after another as its subflows (the rollout side of a split run)."""
+several rollout flows running at once share its segment batches (the agentic pipeline).
+`run_batches` runs a run's batches as subflows, `batches_in_flight` at a time (batch k's Verifiers
+decode beside batch k+1's Solvers, and one batch's Prefect bookkeeping overlaps the other's
+decoding); the `train` flow and the `rollouts` flow (the rollout side of a split run) both use it."""
 
 from __future__ import annotations
 
-from prefect import flow
+from collections.abc import Callable, Iterable
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.subflows import parent_heartbeat_only
 from marsrl_core import workers
@@ -26,29 +32,46 @@ def rollout_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
         previous = task(config, run_id, batch_index, turn, wait_for=[previous], return_state=True)
         states.append(previous)
     results = [state.result() for state in states]
-    workers.store_for(config).mark(run_id, workers.batch_done_event(batch_index))  # a resumed run skips it
+    workers.mark_batch_done(config, run_id, batch_index)  # a resumed run skips it
     return results
 
 
-@flow(name="rollouts", log_prints=True)
+@task(name="run-rollout-flow", cache_policy=NO_CACHE)
+def _rollout_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> list[dict[str, int]]:
+    with parent_heartbeat_only():
+        return rollout_flow(config, run_id, batch_index)
+
+
+def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
+                stop: Callable[[], bool] = lambda: False) -> list[list[dict[str, int]]]:
+    """Rollout flows for `batches`, in order, `rollout.batches_in_flight` at a time, as subflows of the
+    calling flow (submitted to its task runner, which needs that many workers). `stop` is asked before
+    each new batch starts; once it says so, the batches already running finish and no more start.
+    Returns each finished batch's turn results, in order."""
+    pending, running, finished = list(batches), [], []
+    while pending or running:
+        if pending and stop():
+            pending.clear()
+        while pending and len(running) < config.rollout.batches_in_flight:
+            running.append(_rollout_batch.submit(config, run_id, pending.pop(0)))
+        if running:
+            finished.append(running.pop(0).result())
+    return finished
+
+
+@flow(name="rollouts", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
 def rollouts_flow(config: MarsRLConfig = default_config(), run_id: str = "manual", batches: list[int] | None = None,
                   finish: bool = False) -> dict[str, int]:
-    """Rollout flows for `batches` (default: all of the run's), one after another, as subflows under one
-    heartbeat: the rollout side of a split run (`marsrl rollout`). It stops before the next batch once
-    a `stop_requested` run event is recorded; with `finish` it then marks the rollouts finished.
-    Returns the number of batches and of rollout stages it ran."""
+    """Rollout flows for `batches` (default: all of the run's), `batches_in_flight` at a time, as
+    subflows under one heartbeat: the rollout side of a split run (`marsrl rollout`). Once a
+    `stop_requested` run event is recorded it starts no new batch (those running finish); with `finish`
+    it then marks the rollouts finished. Returns the number of batches and of rollout stages it ran."""
     from flows.learner import ROLLOUTS_FINISHED
 
     store = workers.store_for(config)
     workers.start_run(config, run_id)
-    done = {"batches": 0, "stages": 0}
-    for batch in batches if batches is not None else range(config.data.num_batches):
-        if store.has_event(run_id, workers.STOP_REQUESTED):
-            break
-        with parent_heartbeat_only():
-            turns = rollout_flow(config, run_id, batch)
-        done["batches"] += 1
-        done["stages"] += sum(t["stages"] for t in turns)
+    todo = batches if batches is not None else range(config.data.num_batches)
+    results = run_batches(config, run_id, todo, stop=lambda: store.has_event(run_id, workers.STOP_REQUESTED))
     if finish:
         store.mark(run_id, ROLLOUTS_FINISHED)
-    return done
+    return {"batches": len(results), "stages": sum(t["stages"] for turns in results for t in turns)}

@@ -19,17 +19,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.evaluate import evaluate_flow
 from flows.learner import ROLLOUTS_FINISHED, learner_flow
-from flows.rollout import rollout_flow
+from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
 from flows.subflows import parent_heartbeat_only
 from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
-
-
-@task(name="run-rollout-flow", cache_policy=NO_CACHE)
-def _rollout(config: MarsRLConfig, run_id: str, batch_index: int):
-    with parent_heartbeat_only():
-        return rollout_flow(config, run_id, batch_index)
 
 
 @task(name="run-learner-flow", cache_policy=NO_CACHE)
@@ -64,14 +58,8 @@ def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = Non
         # are already past `learner.max_staleness` when it takes its first steps.
         workers.learner_for(config, run_id, workers.tracker_for(config, run_id))
         learner = _learner.submit(config, run_id)
-        running = []
-        while pending or running:
-            if learner.wrapped_future.done():  # the learner has its steps (or failed): no more batches
-                pending.clear()
-            while pending and len(running) < config.rollout.batches_in_flight:
-                running.append(_rollout.submit(config, run_id, pending.pop(0)))
-            if running:
-                running.pop(0).result()
+        # Once the learner has its steps (or failed), no more batches start.
+        run_batches(config, run_id, pending, stop=learner.wrapped_future.done)
         if not store.has_event(run_id, ROLLOUTS_FINISHED):
             store.mark(run_id, ROLLOUTS_FINISHED)
         result["learner_steps"] = steps = learner.result()

@@ -8,6 +8,7 @@ in different processes or machines.
 
 - `record_batch(cfg, run_id, b)`: the problems of batch `b` (synthetic or a dataset slice), stored.
 - `rollout_turn(cfg, run_id, b, turn)`: decode turn `turn` of batch `b` to its end.
+- `mark_batch_done(cfg, run_id, b)`: record that batch `b` has ended (a resumed run skips it).
 - `train_step(cfg, run_id)`: one learner step if enough complete groups are ready, else None.
 
 Deliberate simplifications: caches are keyed by run and model, never evicted (a worker serves one
@@ -240,6 +241,10 @@ STOP_REQUESTED = "stop_requested"  # run event: a split run's rollout side stops
 
 def batch_done_event(batch_index: int) -> str:
     return f"batch_done:{batch_index}"
+
+
+def mark_batch_done(cfg: MarsRLConfig, run_id: str, batch_index: int) -> None:
+    store_for(cfg).mark(run_id, batch_done_event(batch_index))
 
 
 def start_run(cfg: MarsRLConfig, run_id: str) -> None:
