@@ -86,6 +86,21 @@ def test_rollouts_flow_stops_before_the_next_batch_when_asked(tmp_path):
     assert store.count("segments", "s1") == decoded and store.has_event("s1", ROLLOUTS_FINISHED)
 
 
+def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path):
+    from flows.rollout import rollouts_flow
+    from marsrl_core import workers
+
+    cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 2})
+    assert rollouts_flow(cfg, "p1", [0, 1, 2], finish=True)["batches"] == 3
+    spans = {r["batch"]: (r["first"], r["last"]) for r in workers.store_for(cfg).query(
+        """SELECT regexp_extract(s.problem_id, '^b([0-9]+)', 1) AS batch, min(g.created_at) AS first,
+                  max(g.created_at) AS last
+           FROM segments g JOIN samples s USING (run_id, sample_id) WHERE g.run_id = 'p1' GROUP BY 1""").to_pylist()}
+    assert sorted(spans) == ["0", "1", "2"]
+    assert spans["1"][0] < spans["0"][1]  # batch 1 decoded while batch 0 still did
+    assert spans["2"][0] > spans["0"][1]  # and batch 2 only once batch 0 had ended: two in flight, not three
+
+
 def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     import mlflow
 
