@@ -2,8 +2,8 @@
 Corrector tasks. Each task decodes its turn segment by segment through the process's shared engine;
 several rollout flows running at once share its segment batches (the agentic pipeline).
 `run_batches` runs a run's batches as subflows, `batches_in_flight` at a time (batch k's Verifiers
-decode beside batch k+1's Solvers, and one batch's Prefect bookkeeping overlaps the other's
-decoding); the `train` flow and the `rollouts` flow (the rollout side of a split run) both use it."""
+decode beside batch k+1's Solvers); the `train` flow and the `rollouts` flow (the rollout side of a
+split run) both use it."""
 
 from __future__ import annotations
 
