@@ -87,9 +87,11 @@ def test_rollouts_flow_stops_before_the_next_batch_when_asked(tmp_path):
 
 
 def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path, monkeypatch):
-    """Batch 0's last turn waits (up to 60 s) for batch 1 to start: only a flow that keeps two batches
-    in flight lets it start meanwhile. The real `workers` calls run inside the wrappers, which record
-    how many batches were running at once (from recording a batch's problems to marking it done)."""
+    """Batches 0 and 1 meet at a barrier before their first turn decodes (each waits up to 60 s for the
+    other): only a flow that keeps two batches in flight gets both there. The real `workers` calls run
+    inside the wrappers, which also count the batches running at once (from recording a batch's
+    problems to marking it done). Timestamps alone cannot show it: under load one batch's subflow can
+    start after the other, tiny one, has ended."""
     import threading
 
     from flows.rollout import rollouts_flow
@@ -97,19 +99,22 @@ def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path, monkeypatch):
 
     cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 2})
     record, decode, mark_done = workers.record_batch, workers.rollout_turn, workers.mark_batch_done
-    started = {b: threading.Event() for b in range(3)}
-    lock, running, most, overlapped = threading.Lock(), set(), [0], []
+    barrier = threading.Barrier(2)
+    lock, running, most, met = threading.Lock(), set(), [0], []
 
     def recording(c, run_id, batch):
         with lock:
             running.add(batch)
             most[0] = max(most[0], len(running))
-        started[batch].set()
         return record(c, run_id, batch)
 
     def decoding(c, run_id, batch, turn):
-        if batch == 0 and turn == c.rollout.max_turns - 1:
-            overlapped.append(started[1].wait(timeout=60))
+        if batch in (0, 1) and turn == 0:
+            try:
+                barrier.wait(timeout=60)
+                met.append(True)
+            except threading.BrokenBarrierError:
+                met.append(False)
         return decode(c, run_id, batch, turn)
 
     def marking(c, run_id, batch):
@@ -121,7 +126,7 @@ def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(workers, "rollout_turn", decoding)
     monkeypatch.setattr(workers, "mark_batch_done", marking)
     assert rollouts_flow(cfg, "p1", [0, 1, 2], finish=True)["batches"] == 3
-    assert overlapped == [True]  # batch 1 started while batch 0 was still decoding
+    assert met == [True, True]  # batches 0 and 1 were decoding at the same time
     assert most[0] == 2  # and never three at once: batch 2 waited for batch 0 to end
     assert all(workers.store_for(cfg).has_event("p1", workers.batch_done_event(b)) for b in range(3))
 
