@@ -6,9 +6,10 @@ runs them one after another.
 
 The overhead is accounted inside each run: its wall-clock minus the time during which some `workers`
 call (the work both paths do: recording a batch, decoding a turn, marking a batch done) was running,
-the union of those calls' intervals. With batches in flight, one batch's Prefect bookkeeping
-overlaps another batch's decoding and costs nothing on the critical path; what is left is the time
-no decoding happened. Subtracting two runs' totals instead (the paired difference, also printed)
+the union of those calls' intervals. With batches in flight, one batch's Prefect bookkeeping can
+overlap another batch's decoding and then costs nothing on the critical path; what is left is the
+time no decoding happened. (On this 2-core machine the overlap hid nothing: beside Prefect's threads
+and server the decoding itself ran slower, which only the paired difference shows.) Subtracting two runs' totals instead (the paired difference, also printed)
 cannot resolve a 5% goal here: decoding times of identical runs differ by ±5% on this shared
 machine. The overhead has two parts, both reported:
 - per flow run, once: the parent flow's start and end (~1 s: Prefect joins its heartbeat thread,
@@ -112,8 +113,10 @@ def children_cpu_s() -> float:
 
 
 def direct(cfg, run_id: str) -> dict:
-    """The same batches without Prefect: `batches_in_flight` threads, each batch's turns in order, the
-    oldest batch awaited before the next starts (as `flows.rollout.run_batches` does)."""
+    """The same batches without Prefect: threads instead of subflows, scheduled as the flows schedule
+    theirs (`flows.rollout.keep_in_flight`), each batch's turns in order."""
+    from flows.rollout import keep_in_flight
+
     def batch(index: int) -> int:
         workers.record_batch(cfg, run_id, index)
         stages = sum(workers.rollout_turn(cfg, run_id, index, turn)["stages"] for turn in range(cfg.rollout.max_turns))
@@ -122,12 +125,8 @@ def direct(cfg, run_id: str) -> dict:
 
     server_cpu = children_cpu_s()
     with WorkTimer() as work, ThreadPoolExecutor(max_workers=8) as pool:
-        pending, running, stages = list(range(BATCHES)), [], 0
         start = time.perf_counter()
-        while pending or running:
-            while pending and len(running) < cfg.rollout.batches_in_flight:
-                running.append(pool.submit(batch, pending.pop(0)))
-            stages += running.pop(0).result()
+        stages = sum(keep_in_flight(range(BATCHES), cfg.rollout.batches_in_flight, lambda b: pool.submit(batch, b)))
         wall = time.perf_counter() - start
     return {"wall_s": wall, "work_s": work.seconds, "stages": stages, "server_cpu_s": children_cpu_s() - server_cpu}
 

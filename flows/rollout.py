@@ -8,6 +8,7 @@ split run) both use it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -18,6 +19,8 @@ from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
 from marsrl_core.rollout import agent_of_turn
 from tasks.rollout import record_batch, rollout_turn
+
+T = TypeVar("T")
 
 
 @flow(name="rollout", log_prints=True)
@@ -42,21 +45,30 @@ def _rollout_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> list[
         return rollout_flow(config, run_id, batch_index)
 
 
-def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
-                stop: Callable[[], bool] = lambda: False) -> list[list[dict[str, int]]]:
-    """Rollout flows for `batches`, in order, `rollout.batches_in_flight` at a time, as subflows of the
-    calling flow (submitted to its task runner, which needs that many workers). `stop` is asked before
-    each new batch starts; once it says so, the batches already running finish and no more start.
-    Returns each finished batch's turn results, in order."""
-    pending, running, finished = list(batches), [], []
+def keep_in_flight(items: Iterable[T], limit: int, submit: Callable[[T], Any],
+                   stop: Callable[[], bool] = lambda: False) -> list[Any]:
+    """`submit(item)` for each item in order, at most `limit` unfinished at a time; the oldest is awaited
+    (`.result()` of what `submit` returned: a Prefect or a `concurrent.futures` future) before the next
+    starts. `stop` is asked before each new item; once it says so, those running finish and no more
+    start. Returns the finished items' results, in order."""
+    pending, running, finished = list(items), [], []
     while pending or running:
         if pending and stop():
             pending.clear()
-        while pending and len(running) < config.rollout.batches_in_flight:
-            running.append(_rollout_batch.submit(config, run_id, pending.pop(0)))
+        while pending and len(running) < limit:
+            running.append(submit(pending.pop(0)))
         if running:
             finished.append(running.pop(0).result())
     return finished
+
+
+def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
+                stop: Callable[[], bool] = lambda: False) -> list[list[dict[str, int]]]:
+    """Rollout flows for `batches`, in order, `rollout.batches_in_flight` at a time, as subflows of the
+    calling flow (submitted to its task runner, which needs that many workers); see `keep_in_flight`.
+    Returns each finished batch's turn results, in order."""
+    return keep_in_flight(batches, config.rollout.batches_in_flight,
+                          lambda batch: _rollout_batch.submit(config, run_id, batch), stop)
 
 
 @flow(name="rollouts", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))

@@ -5,7 +5,8 @@ recall of `Wrong` verdicts, i.e. of catching wrong solutions, and balanced accur
 classes); one Corrector pass over each sample given that report (fix rate: wrong → right; break rate:
 right → wrong; and the break rate on the right solutions the Verifier wrongly flagged, where most
 breaks happen: a Corrector that trusts a false report "repairs" a right step); then the V-C loop with
-k workers, each starting from one of the Solver samples (V-C avg@k). Tokens per problem count every generated token of the Solver samples and of the loop.
+k workers, each starting from one of the Solver samples (V-C avg@k). Tokens per problem count every
+generated token of the Solver samples and of the loop.
 
 Deliberate simplifications: one Verifier/Corrector pass per Solver sample (not a group); a rate with
 no cases (say, no wrong solutions to fix) is reported as NaN rather than guessed.
