@@ -2,8 +2,10 @@
 
 Each variant opens a fresh DuckLake store (SQLite catalog) with 30 batches of 64 finished samples
 appended (about 60 data files), then repeats one operation 2,000 times. Reads of the unchanging
-store: `select_1` (`SELECT 1`, no lake table), `lake_count` (a count over the samples table), and
-`trainable_groups` (the learner's poll, three lake tables, one registered Arrow key table). Writes,
+store: `select_1` (`SELECT 1`, no lake table), `lake_count` (a count over the samples table with the
+store's `run_id = ?` filter, on a text column), the same count unfiltered, with an integer filter
+(`turn = ?`) and with the text filter written so that DuckDB cannot push it into the DuckLake scan
+(`concat(run_id, '') = ?`), and `trainable_groups` (the learner's poll, three lake tables, one registered Arrow key table). Writes,
 which grow the store as a run does: `append` (one transaction of 4 samples with their segments and
 rewards, what a rollout stage commits, so 3 new data files each), and `append_compacted` (the same,
 with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would). Growth is RSS
@@ -29,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from benchmarks.common import print_rows, write_results  # noqa: E402
 
 CALLS, WARMUP = 2000, 250
-VARIANTS = ("select_1", "lake_count", "trainable_groups", "append", "append_compacted")
+VARIANTS = ("select_1", "lake_count", "lake_count_unfiltered", "lake_count_int_filter", "lake_count_unpushed_filter",
+            "trainable_groups", "append", "append_compacted")
 
 
 def finished(rows) -> dict[str, list]:
@@ -61,7 +64,12 @@ def measure(variant: str) -> dict[str, float]:
 
         operations = {
             "select_1": lambda call: store.query("SELECT 1"),
-            "lake_count": lambda call: store.count("samples", "r"),
+            "lake_count": lambda call: store.count("samples", "r"),  # WHERE run_id = ?: a text filter
+            "lake_count_unfiltered": lambda call: store.query("SELECT count(*) FROM samples"),
+            "lake_count_int_filter": lambda call: store.query("SELECT count(*) FROM samples WHERE turn = ?", [0]),
+            # the text filter written so that DuckDB cannot push it into the DuckLake scan
+            "lake_count_unpushed_filter": lambda call: store.query(
+                "SELECT count(*) FROM samples WHERE concat(run_id, '') = ?", ["r"]),
             "trainable_groups": lambda call: store.trainable_groups_by_agent("r", ["solver", "verifier", "corrector"], 4),
             "append": append,
             "append_compacted": append,
