@@ -182,8 +182,13 @@ class SFTConfig(_Section):
         "Verifier that sometimes contradicts its own step marks, for RL to sharpen)."
     )
     repair_failure: float = Field(
-        0.3, ge=0, le=1, description="Corrector demonstrations: chance that the repair of a wrong solution trusts its "
+        0.4, ge=0, le=1, description="Corrector demonstrations: chance that the repair of a wrong solution trusts its "
         "first wrong total (and is wrong again)."
+    )
+    report_corruption: float = Field(
+        0.25, ge=0, le=1, description="Corrector demonstrations: chance that the report's flagged step carries a wrong "
+        "recomputed total (on a right solution, a false flag); the target is unchanged, so the Corrector learns to "
+        "recompute a flagged step rather than copy the report's total, which broke right solutions after false flags."
     )
 
 

@@ -34,7 +34,7 @@ from marsrl_core.synthetic import demonstrations, make_problems
 # Warm starts shipped with the repository (made by `marsrl sft --set output_dir=demo/warm-starts`), so a
 # fresh machine's `make train` skips the SFT when its config matches one of them.
 COMMITTED = Path(__file__).resolve().parents[1] / "demo" / "warm-starts"
-SFT_VERSION = 5  # bump when the demonstrations change, to invalidate caches
+SFT_VERSION = 6  # bump when the demonstrations change, to invalidate caches
 
 
 def _key(cfg: MarsRLConfig) -> str:
@@ -116,7 +116,8 @@ def warm_start(cfg: MarsRLConfig, progress: Callable[[int, float], None] | None 
     problems = make_problems(sc.num_problems, cfg.seed + 1, prefix="sft", min_terms=cfg.data.synthetic_min_terms,
                              max_terms=cfg.data.synthetic_max_terms)
     examples = demonstrations(problems, random.Random(cfg.seed), solver_error=sc.solver_error,
-                              verdict_flip=sc.verdict_flip, repair_failure=sc.repair_failure)
+                              verdict_flip=sc.verdict_flip, repair_failure=sc.repair_failure,
+                              report_corruption=sc.report_corruption)
     train_sft(model, tokenizer, roles_from_config(cfg), examples, steps=sc.max_steps,
               batch_size=sc.per_device_train_batch_size, learning_rate=sc.learning_rate, seed=cfg.seed,
               progress=progress)

@@ -126,10 +126,35 @@ def keep_first_mistake(solution: str, prompt: str) -> str:
     return write_solution(steps + solution_steps(rest))
 
 
+def misreport(solution: str, prompt: str, rng: random.Random) -> str:
+    """A report whose flagged step carries a wrong recomputed total: on a right solution a false flag
+    (a random step marked `no`, `7+5=2>5 no`), on a wrong one the first wrong step flagged with a total
+    that is neither its own nor the right one. A Corrector that takes the report's total breaks the
+    first and fails the second; one that recomputes the flagged step itself repairs both."""
+    steps = parse_steps(solution)
+    if not steps:
+        return verifier_report(solution, prompt)
+    terms = [int(t) for t in prompt.split("+")]
+    marks, total, flagged = [], terms[0], None
+    for i, ((a, b, c), term) in enumerate(zip(steps, terms[1:])):
+        if not (a == total and b == term and c == (a + b) % 10):
+            flagged = i
+            break
+        total = c
+    if flagged is None:  # every step holds (or the chain ends early): flag a random step that holds
+        flagged = rng.randrange(min(len(steps), len(terms) - 1))
+    for a, b, c in steps[:flagged]:
+        marks.append(f"{a}+{b}={c}>{(a + b) % 10} ok")
+    a, b, c = steps[flagged]
+    wrong_total = rng.choice([x for x in range(10) if x not in (c, (a + b) % 10)])
+    return ";".join(marks + [f"{a}+{b}={c}>{wrong_total} no"]) + ";Correctness: Wrong"
+
+
 def demonstrations(problems: list[Problem], rng: random.Random, *, solver_error: float, verdict_flip: float,
-                   repair_failure: float) -> list[tuple[str, str, str]]:
+                   repair_failure: float, report_corruption: float = 0.0) -> list[tuple[str, str, str]]:
     """(role, prompt fields joined by '|', target) demonstrations for all three roles; the mistake rates
-    are `SFTConfig`'s fields of the same names."""
+    are `SFTConfig`'s fields of the same names. A Corrector demonstration's report is misreported
+    (`misreport`) with probability `report_corruption`; its target is the same as with a true report."""
     demos = []
     for p in problems:
         solution = write_solution(noisy_steps(p.prompt, rng, solver_error))
@@ -144,7 +169,9 @@ def demonstrations(problems: list[Problem], rng: random.Random, *, solver_error:
         repair = correct_solution(p.prompt)
         if previous != repair and rng.random() < repair_failure:
             repair = keep_first_mistake(previous, p.prompt)
+        report = (misreport(previous, p.prompt, rng) if rng.random() < report_corruption
+                  else verifier_report(previous, p.prompt))
         # The Corrector sees the bug report as rollouts and the V-C loop pass it: without the verdict.
-        report_text = parse_bug_report(verifier_report(previous, p.prompt))
+        report_text = parse_bug_report(report)
         demos.append(("corrector", f"{p.prompt}|{previous}|{report_text}", repair))
     return demos

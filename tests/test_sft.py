@@ -6,8 +6,9 @@ import random
 
 from marsrl_core.config import load_config
 from marsrl_core.roles import TINY_TEMPLATES, Roles
-from marsrl_core.synthetic import (correct_solution, demonstrations, keep_first_mistake, make_problems, noisy_steps,
-                                   parse_steps, verifier_report)
+from marsrl_core.roles import parse_bug_report
+from marsrl_core.synthetic import (correct_solution, demonstrations, keep_first_mistake, make_problems, misreport,
+                                   noisy_steps, parse_steps, verifier_report)
 
 
 def test_verifier_reports_mark_each_step_and_the_verdict():
@@ -23,10 +24,28 @@ def test_verifier_reports_mark_each_step_and_the_verdict():
     assert parse_steps(correct_solution("1+2+3")) == [(1, 2, 3), (3, 3, 6)]
 
 
+def test_misreports_flag_a_step_with_a_wrong_recomputed_total():
+    rng = random.Random(0)
+    for _ in range(50):
+        # A right solution: one step that holds is flagged, the steps before it marked ok.
+        report = misreport("7+5=2;2+9=1;1+3=4;Answer: 4", "7+5+9+3", rng)
+        marks = report.removesuffix(";Correctness: Wrong").split(";")
+        assert all(m.endswith(" ok") and m.split(">")[0].split("=")[1] == m.split(">")[1][0] for m in marks[:-1])
+        step, total = marks[-1].removesuffix(" no").split(">")
+        a, b = map(int, step.split("=")[0].split("+"))
+        assert step in ("7+5=2", "2+9=1", "1+3=4") and int(total) != (a + b) % 10
+        # A wrong solution: its first wrong step is flagged with neither its own nor the right total.
+        report = misreport("7+5=2;2+9=2;2+3=5;Answer: 5", "7+5+9+3", rng)
+        assert report.startswith("7+5=2>2 ok;2+9=2>") and report.endswith(" no;Correctness: Wrong")
+        assert report.split(";")[1][6] not in "21"
+    assert misreport("7+5=", "7+5+9+3", rng) == verifier_report("7+5=", "7+5+9+3")
+
+
 def test_demonstrations_inject_mistakes_at_the_configured_rates():
     rng = random.Random(0)
     problems = make_problems(2000, 0)
-    demos = demonstrations(problems, rng, solver_error=0.15, verdict_flip=0.1, repair_failure=0.2)
+    demos = demonstrations(problems, rng, solver_error=0.15, verdict_flip=0.1, repair_failure=0.2,
+                           report_corruption=0.3)
     solver = [t for r, f, t in demos if r == "solver"]
     wrong = sum(t != correct_solution(p.prompt) for t, p in zip(solver, problems)) / len(problems)
     assert 0.2 < wrong < 0.5  # 15% per step over 2-4 steps
@@ -43,6 +62,10 @@ def test_demonstrations_inject_mistakes_at_the_configured_rates():
     assert all(t == keep_first_mistake(prev, p) for p, prev, t in wrong_inputs if t != correct_solution(p))
     # The Corrector's report is the bug report as the rollout passes it: the verdict line removed.
     assert all("Correctness" not in f[2] for f, _ in repairs)
+    # About 30% of the reports are misreported; the targets do not depend on it.
+    misreported = [f[2] != parse_bug_report(verifier_report(f[1], f[0])) for f, _ in repairs]
+    assert 0.25 < sum(misreported) / len(repairs) < 0.35
+    assert all(f[2].rstrip(";").endswith(" no") for (f, _), bad in zip(repairs, misreported) if bad)
     assert noisy_steps("1+2+3", random.Random(1), 0.0) == [(1, 2, 3), (3, 3, 6)]
 
 
