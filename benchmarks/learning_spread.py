@@ -22,7 +22,8 @@ before, after and gain, and the margin. Run: `python benchmarks/learning_spread.
 variant of the run instead and writes learning_spread_variant.json (as does `--first-seed`; how
 `learner.downstream_groups_per_step=8` was compared before the tiny preset took it); `--name` names
 the file instead. The Corrector's fix and break rates and the V-C accuracy are summarised the same
-way, to compare variants on them (the test's margins use the Solver and the Verifier).
+way, to compare variants on them (the test's margins use the Solver and the Verifier), as are the
+wrong solutions the Verifier caught and the break rate after a false flag.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
 
-MEASURES = {"solver": "solver_acc", "verifier": "verifier_bal_acc", "corrector_fix": "corrector_fix",
-            "corrector_break": "corrector_break", "vc": "vc_acc"}
+MEASURES = {"solver": "solver_acc", "verifier": "verifier_bal_acc", "verifier_caught": "verifier_recall",
+            "corrector_fix": "corrector_fix", "corrector_break": "corrector_break",
+            "corrector_break_false_flag": "corrector_break_false_flag", "vc": "vc_acc"}
 
 
 def run_seed(seed: int, extra: list[str] | None = None) -> dict[str, float]:
