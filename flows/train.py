@@ -49,7 +49,9 @@ def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = Non
         for batch in pending:
             with parent_heartbeat_only():
                 rollout_flow(config, run_id, batch)
-                learner_flow(config, run_id, idle_timeout_s=0.0)
+                steps = learner_flow(config, run_id, idle_timeout_s=0.0)
+            if steps >= config.learner.max_steps:  # as the pipelined path: no batch the learner will not use
+                break
         store.mark(run_id, ROLLOUTS_FINISHED)
         result["learner_steps"] = steps = learner_flow(config, run_id)
     else:

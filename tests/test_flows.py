@@ -150,6 +150,17 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     assert any(r.info.run_name == "t1" and "solver/reward_mean" in r.data.metrics for r in runs)
 
 
+def test_synchronous_train_flow_decodes_no_batch_after_the_learner_has_its_steps(tmp_path):
+    from flows.train import train_flow
+    from marsrl_core.store import SegmentStore
+
+    # The first batch (2 problems) gives the one step; three more batches are available.
+    cfg = small_config(tmp_path, **{"rollout.synchronous": True, "data.num_batches": 4, "learner.max_steps": 1})
+    result = train_flow(cfg, "sync", evaluate_before=False, evaluate_after=False)
+    assert result["learner_steps"] == 1
+    assert SegmentStore.from_config(cfg.store).count("problems", "sync") == 2
+
+
 def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
     from flows.cli import main
 
