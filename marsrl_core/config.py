@@ -267,7 +267,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "roles": {"templates": "tiny"},
         "sft": {"enabled": True, "max_steps": 1500},
         "evaluation": {"max_rounds": 4, "accept_after": 2, "num_problems": 512, "k": 2},
-        "data": {"num_batches": 15},
+        # More batches than 50 steps need: the train flow stops starting batches once the learner has
+        # its steps (about 10 in `make train`), and variants that yield fewer groups a batch (shared
+        # reward, synchronous: 42 steps from 15 batches in session 9's ablations) still reach them.
+        "data": {"num_batches": 20},
         "rollout": {
             "num_generations": 8,
             "downstream_generations": 4,
