@@ -6,7 +6,8 @@ step per term, each a single-digit fact a tiny model can learn fast, then the an
 a Corrector can repair a solution from its first wrong step. The Verifier's report
 (`7+5=2>2 ok;2+9=3>1 no;Correctness: Wrong`) copies the steps up to the first wrong one with its own
 recomputed totals, so the tiny Corrector's template shows it the problem and the report only: it
-keeps the steps that hold, takes the recomputed total of the first wrong one, and solves on from there.
+keeps the steps that hold, recomputes the flagged one itself (some demonstrations misreport its total,
+see `misreport`), and solves on from there.
 
 Deliberately simple: no carries, no multi-digit numbers (a tiny character model learns those far
 too slowly on a CPU, as measured before this task was chosen).
