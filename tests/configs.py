@@ -45,9 +45,9 @@ def process_config_file(tmp_path, name: str, **sections) -> Path:
 
 
 # The CI learning test's short run (tests/test_learning.py; its margins are measured over seeds by
-# benchmarks/learning_spread.py): the tiny preset from its committed warm start, 50 learner steps on 15
+# benchmarks/learning_spread.py): the tiny preset from its committed warm start, 50 learner steps on up to 20
 # batches, evaluated before and after on 512 held-out problems x 2 samples (the make train evaluation).
-LEARNING_RUN = {"learner.max_steps": 50, "data.num_batches": 15, "evaluation.num_problems": 512, "evaluation.k": 2}
+LEARNING_RUN = {"learner.max_steps": 50, "data.num_batches": 20, "evaluation.num_problems": 512, "evaluation.k": 2}
 
 
 def learning_config(tmp_path, seed: int = 0, extra: list[str] | None = None) -> MarsRLConfig:

@@ -2,7 +2,7 @@
 and the Verifier better on held-out problems by more than the seed-to-seed spread of their evaluation.
 
 The run (`tests.configs.learning_config`): the train flow for real (Prefect, DuckLake store, MLflow,
-transformers engine, pipelined rollouts and learner), 50 learner steps on 15 batches of 8 problems,
+transformers engine, pipelined rollouts and learner), 50 learner steps on up to 20 batches of 8 problems,
 evaluated before and after on 512 held-out problems x 2 samples at temperature 1: about 2 minutes
 on 2 CPU cores, run twice (seeds 0 and 1).
 
