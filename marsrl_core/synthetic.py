@@ -99,18 +99,41 @@ def verifier_report(solution: str, prompt: str) -> str:
     steps = parse_steps(solution)
     if steps is None:
         return "bad;Correctness: Wrong"
-    terms = [int(t) for t in prompt.split("+")]
-    marks, total = [], terms[0]
-    for (a, b, c), term in zip(steps, terms[1:]):
-        good = a == total and b == term and c == (a + b) % 10
-        marks.append(f"{a}+{b}={c}>{(a + b) % 10} {'ok' if good else 'no'}")
-        if not good:
-            return ";".join(marks) + ";Correctness: Wrong"
-        total = c
+    wrong = _first_wrong_step(steps, prompt)
+    if wrong is not None:
+        return _flagged_report(steps, wrong)
+    marks = [_mark(*step, "ok") for step in steps[:_step_count(prompt)]]
     answer = solution.rsplit("Answer:", 1)[-1].strip()
-    if len(steps) != len(terms) - 1 or not steps or answer != str(steps[-1][2]):
+    if len(steps) != _step_count(prompt) or not steps or answer != str(steps[-1][2]):
         return ";".join(marks + ["end no"]) + ";Correctness: Wrong"
     return ";".join(marks) + ";Correctness: Correct"
+
+
+def _first_wrong_step(steps: list[tuple[int, int, int]], prompt: str) -> int | None:
+    """The index of the first step that does not continue the running total with the next term and
+    its sum modulo 10, or None if every step (up to the problem's number of steps) holds."""
+    terms = [int(t) for t in prompt.split("+")]
+    total = terms[0]
+    for i, ((a, b, c), term) in enumerate(zip(steps, terms[1:])):
+        if not (a == total and b == term and c == (a + b) % 10):
+            return i
+        total = c
+    return None
+
+
+def _step_count(prompt: str) -> int:
+    return prompt.count("+")
+
+
+def _mark(a: int, b: int, c: int, verdict: str, recomputed: int | None = None) -> str:
+    """One step's mark: the step copied, the recomputed total (the right one unless given), the verdict."""
+    return f"{a}+{b}={c}>{(a + b) % 10 if recomputed is None else recomputed} {verdict}"
+
+
+def _flagged_report(steps: list[tuple[int, int, int]], flagged: int, recomputed: int | None = None) -> str:
+    """The steps before `flagged` marked ok, then `flagged` marked no: a report of a `Wrong` verdict."""
+    marks = [_mark(*step, "ok") for step in steps[:flagged]] + [_mark(*steps[flagged], "no", recomputed)]
+    return ";".join(marks) + ";Correctness: Wrong"
 
 
 def keep_first_mistake(solution: str, prompt: str) -> str:
@@ -135,20 +158,11 @@ def misreport(solution: str, prompt: str, rng: random.Random) -> str:
     steps = parse_steps(solution)
     if not steps:
         return verifier_report(solution, prompt)
-    terms = [int(t) for t in prompt.split("+")]
-    marks, total, flagged = [], terms[0], None
-    for i, ((a, b, c), term) in enumerate(zip(steps, terms[1:])):
-        if not (a == total and b == term and c == (a + b) % 10):
-            flagged = i
-            break
-        total = c
+    flagged = _first_wrong_step(steps, prompt)
     if flagged is None:  # every step holds (or the chain ends early): flag a random step that holds
-        flagged = rng.randrange(min(len(steps), len(terms) - 1))
-    for a, b, c in steps[:flagged]:
-        marks.append(f"{a}+{b}={c}>{(a + b) % 10} ok")
+        flagged = rng.randrange(min(len(steps), _step_count(prompt)))
     a, b, c = steps[flagged]
-    wrong_total = rng.choice([x for x in range(10) if x not in (c, (a + b) % 10)])
-    return ";".join(marks + [f"{a}+{b}={c}>{wrong_total} no"]) + ";Correctness: Wrong"
+    return _flagged_report(steps, flagged, rng.choice([x for x in range(10) if x not in (c, (a + b) % 10)]))
 
 
 def demonstrations(problems: list[Problem], rng: random.Random, *, solver_error: float, verdict_flip: float,

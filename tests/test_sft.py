@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 from marsrl_core.config import load_config
-from marsrl_core.roles import TINY_TEMPLATES, Roles
-from marsrl_core.roles import parse_bug_report
+from marsrl_core.roles import TINY_TEMPLATES, Roles, parse_bug_report
 from marsrl_core.synthetic import (correct_solution, demonstrations, keep_first_mistake, make_problems, misreport,
                                    noisy_steps, parse_steps, verifier_report)
 
