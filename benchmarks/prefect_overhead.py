@@ -8,8 +8,9 @@ The overhead is accounted inside each run: its wall-clock minus the time during 
 call (the work both paths do: recording a batch, decoding a turn, marking a batch done) was running,
 the union of those calls' intervals. With batches in flight, one batch's Prefect bookkeeping can
 overlap another batch's decoding and then costs nothing on the critical path; what is left is the
-time no decoding happened. (On this 2-core machine the overlap hid nothing: beside Prefect's threads
-and server the decoding itself ran slower, which only the paired difference shows.) Subtracting two runs' totals instead (the paired difference, also printed)
+time no decoding happened. (On this 2-core machine the decoding itself also runs slower beside
+Prefect's threads and API server, 11% in session 9's 16-problem run, which only the paired
+difference shows.) Subtracting two runs' totals instead (the paired difference, also printed)
 cannot resolve a 5% goal here: decoding times of identical runs differ by ±5% on this shared
 machine. The overhead has two parts, both reported:
 - per flow run, once: the parent flow's start and end (~1 s: Prefect joins its heartbeat thread,

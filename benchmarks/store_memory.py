@@ -5,8 +5,8 @@ appended (about 60 data files), then repeats one operation 2,000 times. Reads of
 store: `select_1` (`SELECT 1`, no lake table), `lake_count` (a count over the samples table with the
 store's `run_id = ?` filter, on a text column), the same count unfiltered, with an integer filter
 (`turn = ?`) and with the text filter written so that DuckDB cannot push it into the DuckLake scan
-(`concat(run_id, '') = ?`), and `trainable_groups` (the learner's poll, three lake tables, one registered Arrow key table). Writes,
-which grow the store as a run does: `append` (one transaction of 4 samples with their segments and
+(`concat(run_id, '') = ?`), and `trainable_groups` (the learner's poll, three lake tables, one
+registered Arrow key table). Writes, which grow the store as a run does: `append` (one transaction of 4 samples with their segments and
 rewards, what a rollout stage commits, so 3 new data files each), and `append_compacted` (the same,
 with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would). Growth is RSS
 after the last call minus RSS after the first 250 (past warm-up), per call. It is how the soak's
