@@ -6,8 +6,9 @@ store: `select_1` (`SELECT 1`, no lake table), `lake_count` (a count over the sa
 store's `run_id = ?` filter, on a text column), the same count unfiltered, with an integer filter
 (`turn = ?`) and with the text filter written so that DuckDB cannot push it into the DuckLake scan
 (`concat(run_id, '') = ?`), and `trainable_groups` (the learner's poll, three lake tables, one
-registered Arrow key table). Writes, which grow the store as a run does: `append` (one transaction of 4 samples with their segments and
-rewards, what a rollout stage commits, so 3 new data files each), and `append_compacted` (the same,
+registered Arrow key table). Writes, which grow the store as a run does: `append` (one transaction
+of 4 samples with their segments and rewards, what a rollout stage commits, so 3 new data files
+each), and `append_compacted` (the same,
 with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would). Growth is RSS
 after the last call minus RSS after the first 250 (past warm-up), per call. It is how the soak's
 remaining memory growth was traced to queries over lake tables and to the store's growth.
