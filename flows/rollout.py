@@ -1,13 +1,25 @@
 """The rollout flow: one problem batch as a DAG of Solver -> Verifier -> Corrector -> Verifier ->
 Corrector tasks. Each task decodes its turn segment by segment through the process's shared engine;
 several rollout flows running at once share its segment batches (the agentic pipeline).
-`run_batches` runs a run's batches as subflows, `batches_in_flight` at a time (batch k's Verifiers
-decode beside batch k+1's Solvers); the `train` flow and the `rollouts` flow (the rollout side of a
-split run) both use it."""
+`run_batches` runs a run's batches as subflows, `batches_in_flight` decoding at a time (batch k's
+Verifiers decode beside batch k+1's Solvers); the `train` flow and the `rollouts` flow (the rollout side
+of a split run) both use it.
+
+Prefect's bookkeeping for a batch (its subflow run, the tracking task run, state changes: ~100 ms
+against a local server) would otherwise sit between one batch's end and the next one's first
+segment. So `run_batches` starts one subflow more than `batches_in_flight` ahead of time, and a
+process-wide decode slot per run (`DecodeSlots`) holds it back from decoding until a slot frees:
+its set-up overlaps the decoding of the batches in flight, and a finished batch's tear-down overlaps
+the next one's decoding.
+
+Deliberate simplification: the slots live in the process that runs the subflows (as the engine does);
+a rollout flow run on its own (a deployment run of one batch) decodes without waiting for one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from prefect import flow, task
@@ -22,9 +34,87 @@ from tasks.rollout import record_batch, rollout_turn
 
 T = TypeVar("T")
 
+PREPARED_AHEAD = 1  # rollout subflows started beyond `batches_in_flight`, waiting for a decode slot
+
+
+class DecodeSlots:
+    """At most `limit` of a run's batches decode at once in this process, in the order they were
+    queued. A batch whose subflow started ahead waits here for its turn and a free slot; it then
+    decodes only if `stop()` has not been asked for meanwhile (the flow stops starting batches then,
+    and a batch prepared ahead counts as not started)."""
+
+    _by_run: dict[str, DecodeSlots] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, limit: int, stop: Callable[[], bool]):
+        self.limit, self.stop = limit, stop
+        self._changed = threading.Condition()
+        self._waiting: list[int] = []  # batches queued and not yet decoding, oldest first
+        self._decoding = 0
+        self._closed = False  # the batches' flow is done (or failed): waiting batches do not decode
+
+    def queue(self, batch_index: int) -> None:
+        with self._changed:
+            self._waiting.append(batch_index)
+
+    @classmethod
+    @contextmanager
+    def open(cls, run_id: str, limit: int, stop: Callable[[], bool]) -> Iterator[DecodeSlots]:
+        with cls._registry_lock:
+            if run_id in cls._by_run:
+                raise RuntimeError(f"run {run_id!r}: its batches are already being run in this process")
+            cls._by_run[run_id] = slots = cls(limit, stop)
+        try:
+            yield slots
+        finally:
+            with cls._registry_lock:
+                del cls._by_run[run_id]
+            with slots._changed:
+                slots._closed = True
+                slots._changed.notify_all()
+
+    @classmethod
+    @contextmanager
+    def hold(cls, run_id: str, batch_index: int) -> Iterator[bool]:
+        """Wait for `batch_index`'s turn and a slot (no wait for a batch that `run_batches` did not
+        queue); yields whether to decode."""
+        slots = cls._by_run.get(run_id)
+        if slots is None:
+            yield True
+            return
+        with slots._changed:
+            queued = batch_index in slots._waiting
+            if queued:
+                slots._changed.wait_for(lambda: slots._closed or (
+                    slots._waiting[0] == batch_index and slots._decoding < slots.limit))
+                got_slot = not slots._closed
+                if got_slot:
+                    slots._waiting.pop(0)
+                    slots._decoding += 1
+                    slots._changed.notify_all()  # the next batch in line may take a free slot now
+        if not queued:
+            yield True
+            return
+        if not got_slot:
+            yield False
+            return
+        try:
+            yield not slots.stop()
+        finally:
+            with slots._changed:
+                slots._decoding -= 1
+                slots._changed.notify_all()
+
 
 @flow(name="rollout", log_prints=True)
-def rollout_flow(config: MarsRLConfig = default_config(), run_id: str = "manual", batch_index: int = 0) -> list[dict[str, int]]:
+def rollout_flow(config: MarsRLConfig = default_config(), run_id: str = "manual",
+                 batch_index: int = 0) -> list[dict[str, int]] | None:
+    """Decode one batch, turn by turn; None when the run was asked to stop before the batch had a slot."""
+    with DecodeSlots.hold(run_id, batch_index) as go:
+        return _decode_batch(config, run_id, batch_index) if go else None
+
+
+def _decode_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> list[dict[str, int]]:
     # The turns depend on each other, so they run one after another in the flow's own thread (a task
     # runner thread bought nothing and cost ~10% of the decoding time); `wait_for` keeps the DAG's edges.
     previous = record_batch(config, run_id, batch_index, return_state=True)
@@ -40,7 +130,7 @@ def rollout_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
 
 
 @task(name="run-rollout-flow", cache_policy=NO_CACHE)
-def _rollout_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> list[dict[str, int]]:
+def _rollout_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> list[dict[str, int]] | None:
     with parent_heartbeat_only():
         return rollout_flow(config, run_id, batch_index)
 
@@ -64,11 +154,19 @@ def keep_in_flight(items: Iterable[T], limit: int, submit: Callable[[T], Any],
 
 def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
                 stop: Callable[[], bool] = lambda: False) -> list[list[dict[str, int]]]:
-    """Rollout flows for `batches`, in order, `rollout.batches_in_flight` at a time, as subflows of the
-    calling flow (submitted to its task runner, which needs that many workers); see `keep_in_flight`.
-    Returns each finished batch's turn results, in order."""
-    return keep_in_flight(batches, config.rollout.batches_in_flight,
-                          lambda batch: _rollout_batch.submit(config, run_id, batch), stop)
+    """Rollout flows for `batches`, in order, as subflows of the calling flow (submitted to its task
+    runner, which needs `batches_in_flight + PREPARED_AHEAD` workers): `rollout.batches_in_flight` of
+    them decoding at a time and `PREPARED_AHEAD` more set up and waiting for a decode slot; see
+    `keep_in_flight` and `DecodeSlots`. Returns each decoded batch's turn results, in order."""
+    limit = config.rollout.batches_in_flight
+
+    def submit(batch: int):
+        slots.queue(batch)  # before the subflow starts: batches take their slots in this order
+        return _rollout_batch.submit(config, run_id, batch)
+
+    with DecodeSlots.open(run_id, limit, stop) as slots:
+        results = keep_in_flight(batches, limit + PREPARED_AHEAD, submit, stop)
+    return [r for r in results if r is not None]
 
 
 @flow(name="rollouts", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))

@@ -131,6 +131,75 @@ def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path, monkeypatch):
     assert all(workers.store_for(cfg).has_event("p1", workers.batch_done_event(b)) for b in range(3))
 
 
+def test_rollouts_flow_sets_up_the_next_batch_while_one_decodes(tmp_path, monkeypatch):
+    """With one batch in flight, batch 0's first turn waits (up to 60 s) until the server shows batch
+    1's subflow run as running, its Prefect bookkeeping done: only a flow that sets the next batch up
+    while one decodes gets there. Batch 1 still records its problems only after batch 0 is marked
+    done: it waited for the decode slot, so decoding never overlaps."""
+    import time
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    from flows.rollout import rollouts_flow
+    from marsrl_core import workers
+
+    cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 1})
+    record, decode, mark_done = workers.record_batch, workers.rollout_turn, workers.mark_batch_done
+    recorded, marked, saw_next_running = {}, {}, {}
+
+    def next_batch_running(batch: int) -> bool:
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["rollout"])))
+        return any(r.parameters.get("run_id") == "ahead" and r.parameters.get("batch_index") == batch + 1
+                   and r.state is not None and r.state.is_running() for r in runs)
+
+    def recording(c, run_id, batch):
+        recorded[batch] = time.monotonic()
+        return record(c, run_id, batch)
+
+    def decoding(c, run_id, batch, turn):
+        if turn == 0 and batch < 2:
+            deadline = time.monotonic() + 60
+            while not (seen := next_batch_running(batch)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            saw_next_running[batch] = seen
+        return decode(c, run_id, batch, turn)
+
+    def marking(c, run_id, batch):
+        mark_done(c, run_id, batch)
+        marked[batch] = time.monotonic()
+
+    monkeypatch.setattr(workers, "record_batch", recording)
+    monkeypatch.setattr(workers, "rollout_turn", decoding)
+    monkeypatch.setattr(workers, "mark_batch_done", marking)
+    assert rollouts_flow(cfg, "ahead", [0, 1, 2])["batches"] == 3
+    assert saw_next_running == {0: True, 1: True}
+    assert marked[0] < recorded[1] and marked[1] < recorded[2]
+
+
+def test_rollouts_flow_decodes_no_prepared_batch_once_asked_to_stop(tmp_path, monkeypatch):
+    """The stop request arrives while batch 0 decodes and batch 1 waits, set up, for its slot: batch 1
+    must not decode, and only batch 0 counts."""
+    from flows.rollout import rollouts_flow
+    from marsrl_core import workers
+
+    cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 1})
+    store = workers.store_for(cfg)
+    mark_done = workers.mark_batch_done
+
+    def stop_after_batch_0(c, run_id, batch):
+        if batch == 0:
+            store.mark(run_id, workers.STOP_REQUESTED)
+        mark_done(c, run_id, batch)
+
+    monkeypatch.setattr(workers, "mark_batch_done", stop_after_batch_0)
+    assert rollouts_flow(cfg, "halt", [0, 1, 2])["batches"] == 1
+    per_batch = store.query("SELECT count(*) AS n FROM problems WHERE run_id = 'halt'").to_pylist()
+    assert per_batch == [{"n": cfg.rollout.problems_per_batch}]  # batch 0's problems only
+    assert not store.has_event("halt", workers.batch_done_event(1))
+
+
 def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     import mlflow
 
