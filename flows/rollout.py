@@ -17,13 +17,14 @@ a rollout flow run on its own (a deployment run of one batch) decodes without wa
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.subflows import parent_heartbeat_only
@@ -50,12 +51,19 @@ class DecodeSlots:
         self.limit, self.stop = limit, stop
         self._changed = threading.Condition()
         self._waiting: list[int] = []  # batches queued and not yet decoding, oldest first
+        self._started: set[int] = set()  # queued batches whose subflow has reached `hold`
         self._decoding = 0
         self._closed = False  # the batches' flow is done (or failed): waiting batches do not decode
 
     def queue(self, batch_index: int) -> None:
         with self._changed:
             self._waiting.append(batch_index)
+
+    def wait_until_started(self, batch_index: int, future: Future) -> None:
+        """Until `batch_index`'s subflow run has started (reached `hold`) or its future has ended."""
+        with self._changed:
+            while batch_index not in self._started and not future.done():
+                self._changed.wait(0.05)
 
     @classmethod
     @contextmanager
@@ -85,6 +93,8 @@ class DecodeSlots:
         with slots._changed:
             queued = batch_index in slots._waiting
             if queued:
+                slots._started.add(batch_index)
+                slots._changed.notify_all()
                 slots._changed.wait_for(lambda: slots._closed or (
                     slots._waiting[0] == batch_index and slots._decoding < slots.limit))
                 got_slot = not slots._closed
@@ -129,8 +139,7 @@ def _decode_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> list[d
     return results
 
 
-@task(name="run-rollout-flow", cache_policy=NO_CACHE)
-def _rollout_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> list[dict[str, int]] | None:
+def _rollout_subflow(config: MarsRLConfig, run_id: str, batch_index: int) -> list[dict[str, int]] | None:
     with parent_heartbeat_only():
         return rollout_flow(config, run_id, batch_index)
 
@@ -160,11 +169,16 @@ def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
     `keep_in_flight` and `DecodeSlots`. Returns each decoded batch's turn results, in order."""
     limit = config.rollout.batches_in_flight
 
-    def submit(batch: int):
+    def submit(batch: int) -> Future:
         slots.queue(batch)  # before the subflow starts: batches take their slots in this order
-        return _rollout_batch.submit(config, run_id, batch)
+        # The calling flow's context goes with it, so the rollout flow runs as its subflow.
+        future = pool.submit(contextvars.copy_context().run, _rollout_subflow, config, run_id, batch)
+        # One subflow run is created at a time: on the local server's SQLite, concurrent creations
+        # conflict, and each conflict costs the client a retry after 2 s (HTTP 503).
+        slots.wait_until_started(batch, future)
+        return future
 
-    with DecodeSlots.open(run_id, limit, stop) as slots:
+    with DecodeSlots.open(run_id, limit, stop) as slots, ThreadPoolExecutor(limit + PREPARED_AHEAD) as pool:
         results = keep_in_flight(batches, limit + PREPARED_AHEAD, submit, stop)
     return [r for r in results if r is not None]
 
