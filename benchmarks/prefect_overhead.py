@@ -30,6 +30,7 @@ overhead_per_stage_s, stage_s and overhead_fraction (and the parts above).
 
 from __future__ import annotations
 
+import logging
 import statistics
 import sys
 import tempfile
@@ -68,7 +69,9 @@ def union_s(intervals: list[tuple[float, float]]) -> float:
 class WorkTimer:
     """Wraps the `workers` functions the rollout tasks call and records when each call ran."""
 
-    NAMES = ("record_batch", "rollout_turn", "mark_batch_done")
+    # The store's opening (a new catalog for each run here) and the run's row are work both paths do;
+    # the `rollouts` flow does them in its body, before its first batch.
+    NAMES = ("store_for", "start_run", "record_batch", "rollout_turn", "mark_batch_done")
 
     def __init__(self) -> None:
         self.intervals: list[tuple[float, float]] = []
@@ -99,6 +102,45 @@ class WorkTimer:
         return timed
 
 
+class RetryCounter(logging.Handler):
+    """Counts the Prefect client's retries of requests the server answered with a retryable status (503:
+    on SQLite, a write that conflicted with another; the client waits 2 s, then 4 s, ... and retries).
+    The client logs each at DEBUG on `prefect.client`; during the block that logger passes only those
+    records and what it passed before."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.retries = 0
+        self.logger = logging.getLogger("prefect.client")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "retryable status code" in record.getMessage():
+            self.retries += 1
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level_before or "retryable status code" in record.getMessage()
+
+    def __enter__(self) -> RetryCounter:
+        self.level_before = self.logger.getEffectiveLevel()
+        self.logger.addHandler(self)
+        self.logger.addFilter(self.filter)
+        self.logger.setLevel(logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.setLevel(self.level_before)
+        self.logger.removeFilter(self.filter)
+        self.logger.removeHandler(self)
+
+
+def database_kind() -> str:
+    """The backend of Prefect's temporary server: "sqlite" unless PREFECT_API_DATABASE_CONNECTION_URL says."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().server.database.connection_url
+    return "postgresql" if url and url.get_secret_value().startswith("postgresql") else "sqlite"
+
+
 def children_cpu_s() -> float:
     """CPU seconds used so far by this process's children (Prefect's temporary API server)."""
     import psutil
@@ -111,6 +153,22 @@ def children_cpu_s() -> float:
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def pin_server_apart() -> None:
+    """Prefect's temporary API server (this process's child) on core 1, this process (each of its threads:
+    the affinity call applies per thread) on core 0; threads started later inherit it."""
+    import os
+
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    if not children or len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--pin-server needs Prefect's temporary server (no PREFECT_API_URL) and two cores")
+    for child in children:
+        child.cpu_affinity([1])
+    for thread_id in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread_id), {0})
 
 
 def direct(cfg, run_id: str) -> dict:
@@ -127,6 +185,7 @@ def direct(cfg, run_id: str) -> dict:
     server_cpu = children_cpu_s()
     with WorkTimer() as work, ThreadPoolExecutor(max_workers=8) as pool:
         start = time.perf_counter()
+        workers.start_run(cfg, run_id)  # as the flow does
         stages = sum(keep_in_flight(range(BATCHES), cfg.rollout.batches_in_flight, lambda b: pool.submit(batch, b)))
         wall = time.perf_counter() - start
     return {"wall_s": wall, "work_s": work.seconds, "stages": stages, "server_cpu_s": children_cpu_s() - server_cpu}
@@ -137,12 +196,12 @@ def with_prefect(cfg, run_id: str, batches: int = BATCHES) -> dict:
     from flows.rollout import rollouts_flow
 
     server_cpu = children_cpu_s()
-    with WorkTimer() as work:
+    with WorkTimer() as work, RetryCounter() as retries:
         start = time.perf_counter()
         done = rollouts_flow(cfg, run_id, list(range(batches)))
         wall = time.perf_counter() - start
     return {"wall_s": wall, "work_s": work.seconds, "stages": done["stages"],
-            "server_cpu_s": children_cpu_s() - server_cpu}
+            "server_cpu_s": children_cpu_s() - server_cpu, "retried_requests": retries.retries}
 
 
 def main() -> None:
@@ -157,6 +216,10 @@ def main() -> None:
     parser.add_argument("--batches-in-flight", type=int, default=2,
                         help="Batches decoding at once in both paths (2, the default of `rollout.batches_in_flight`; "
                              "1 runs them one after another and writes prefect_overhead[_<n>]_sequential.json).")
+    parser.add_argument("--pin-server", action="store_true",
+                        help="After start-up, pin Prefect's API server to core 1 and this process (both paths' "
+                             "decoding) to core 0: the server then competes with no decoding, as on a cluster "
+                             "where it has a machine of its own. Writes prefect_overhead[_<n>]_pinned.json.")
     args = parser.parse_args()
     problems, in_flight = args.problems_per_batch, args.batches_in_flight
 
@@ -164,6 +227,8 @@ def main() -> None:
         root = Path(tmp)
         # starts Prefect's temporary server, builds the model
         rollouts_flow(config(root, "warm", problems, in_flight), "warm", [0])
+        if args.pin_server:
+            pin_server_apart()
         runs: dict[str, list[dict]] = {"direct": [], "prefect": [], "empty": []}
         for i in range(REPEATS):
             runs["direct"].append(direct(config(root, f"direct{i}", problems, in_flight), f"direct{i}"))
@@ -173,9 +238,10 @@ def main() -> None:
     def median(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[kind])
 
+    database = database_kind()
     stages = runs["prefect"][0]["stages"]
     overhead = statistics.median(r["wall_s"] - r["work_s"] for r in runs["prefect"])
-    per_run = median("empty", "wall_s")
+    per_run = statistics.median(r["wall_s"] - r["work_s"] for r in runs["empty"])
     work = median("prefect", "work_s")
     stage_s = work / stages
     paired = (median("prefect", "wall_s") - median("direct", "wall_s")) / median("direct", "wall_s")
@@ -184,24 +250,28 @@ def main() -> None:
         "overhead_per_run_s": per_run, "overhead_per_batch_s": (overhead - per_run) / BATCHES,
         "overhead_fraction_per_batch": (overhead - per_run) / work,
         "paired_difference_fraction": paired, "batches": BATCHES, "problems_per_batch": problems,
-        "batches_in_flight": in_flight, "stages": stages,
+        "batches_in_flight": in_flight, "stages": stages, "server_pinned_apart": args.pin_server,
+        "prefect_database": database, "retried_requests_per_run": [r["retried_requests"] for r in runs["prefect"]],
         "direct_uncovered_s": median("direct", "wall_s") - median("direct", "work_s"),
         "server_cpu_s": {"direct": median("direct", "server_cpu_s"), "prefect": median("prefect", "server_cpu_s")},
         "all_runs": runs,
     }
     print_rows(f"rollout of {BATCHES} batches x {problems} problems, {in_flight} in flight, tiny model, "
-               f"32-token segments (median of {REPEATS})",
+               f"32-token segments, Prefect server on {database} (median of {REPEATS})",
                ["path", "wall s", "in workers s (union)", "stages", "API server CPU s"],
                [["direct (marsrl_core.workers)", median("direct", "wall_s"), median("direct", "work_s"),
                  runs["direct"][0]["stages"], median("direct", "server_cpu_s")],
                 ["Prefect: rollouts flow > rollout subflows > tasks", median("prefect", "wall_s"), work, stages,
                  median("prefect", "server_cpu_s")],
-                ["Prefect: rollouts flow over no batch", per_run, 0.0, 0, median("empty", "server_cpu_s")]])
+                ["Prefect: rollouts flow over no batch", median("empty", "wall_s"), median("empty", "work_s"), 0,
+                 median("empty", "server_cpu_s")]])
     print(f"Prefect overhead: {overhead:.2f} s in the run = {overhead / stages * 1000:.1f} ms per stage = "
           f"{overhead / work:.1%} of a stage (goal < 5%); of it {per_run:.2f} s once per flow run, "
           f"{figures['overhead_per_batch_s'] * 1000:.0f} ms per batch ({figures['overhead_fraction_per_batch']:.1%}). "
-          f"Paired difference of medians: {paired:+.1%} (noise ±5%).")
-    name = "prefect_overhead" + ("" if problems == 32 else f"_{problems}") + ("" if in_flight > 1 else "_sequential")
+          f"Paired difference of medians: {paired:+.1%} (noise ±5%). Requests the server answered 503 "
+          f"(retried after 2 s, 4 s, ...), per run: {figures['retried_requests_per_run']}.")
+    name = ("prefect_overhead" + ("" if problems == 32 else f"_{problems}") + ("" if in_flight > 1 else "_sequential")
+            + ("_pinned" if args.pin_server else "") + ("" if database == "sqlite" else f"_{database}"))
     print(f"wrote {write_results(name, figures)}")
 
 
