@@ -5,17 +5,22 @@ batches at a time (the default, 2), as the `train` and `rollouts` flows do; `--b
 runs them one after another.
 
 The overhead is accounted inside each run: its wall-clock minus the time during which some `workers`
-call (the work both paths do: recording a batch, decoding a turn, marking a batch done) was running,
-the union of those calls' intervals. With batches in flight, one batch's Prefect bookkeeping can
+call (the work both paths do: opening the store, recording the run and a batch, decoding a turn,
+marking a batch done) was running, the union of those calls' intervals. With batches in flight, one batch's Prefect bookkeeping can
 overlap another batch's decoding and then costs nothing on the critical path; what is left is the
 time no decoding happened. (On this 2-core machine the decoding itself also runs slower beside
 Prefect's threads and API server, 11% in session 9's 16-problem run, which only the paired
 difference shows.) Subtracting two runs' totals instead (the paired difference, also printed)
 cannot resolve a 5% goal here: decoding times of identical runs differ by ±5% on this shared
 machine. The overhead has two parts, both reported:
-- per flow run, once: the parent flow's start and end (~1 s: Prefect joins its heartbeat thread,
+- per flow run, once: the parent flow's start and end (~0.75 s: Prefect joins its heartbeat thread,
   which sleeps in one-second steps), measured as the `rollouts` flow over no batch;
-- per batch: the rollout subflow and its turn tasks (API calls, state changes, parameter checks).
+- per batch: the rollout subflow and its turn tasks (API calls, state changes, parameter checks),
+  mostly hidden now that the next batch's subflow is set up while others decode; what remains is
+  chiefly requests the server answered 503 (on SQLite, a write that conflicted with another; the
+  client retries after 2 s, then 4 s), counted per run. Pointing the temporary server at Postgres
+  (PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://...) removes them; the results file then
+  ends in `_postgresql`.
 `overhead_fraction` is everything over the work (the union above), for this run of `BATCHES` batches;
 `overhead_fraction_per_batch` leaves out the once-per-run part, which a longer run spreads thinner.
 Prefect's temporary API server is a child process: the CPU seconds it uses during each run are
@@ -156,8 +161,9 @@ def children_cpu_s() -> float:
 
 
 def pin_server_apart() -> None:
-    """Prefect's temporary API server (this process's child) on core 1, this process (each of its threads:
-    the affinity call applies per thread) on core 0; threads started later inherit it."""
+    """Prefect's temporary API server (this process's child) and a local Postgres behind it, if any, on
+    core 1; this process (each of its threads: the affinity call applies per thread) on core 0;
+    threads started later inherit it."""
     import os
 
     import psutil
@@ -167,6 +173,9 @@ def pin_server_apart() -> None:
         raise SystemExit("--pin-server needs Prefect's temporary server (no PREFECT_API_URL) and two cores")
     for child in children:
         child.cpu_affinity([1])
+    for process in psutil.process_iter(["name"]):
+        if process.info["name"] in ("postgres", "postmaster"):
+            process.cpu_affinity([1])
     for thread_id in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(thread_id), {0})
 
@@ -217,9 +226,10 @@ def main() -> None:
                         help="Batches decoding at once in both paths (2, the default of `rollout.batches_in_flight`; "
                              "1 runs them one after another and writes prefect_overhead[_<n>]_sequential.json).")
     parser.add_argument("--pin-server", action="store_true",
-                        help="After start-up, pin Prefect's API server to core 1 and this process (both paths' "
-                             "decoding) to core 0: the server then competes with no decoding, as on a cluster "
-                             "where it has a machine of its own. Writes prefect_overhead[_<n>]_pinned.json.")
+                        help="After start-up, pin Prefect's API server (and a local Postgres behind it) to core 1 "
+                             "and this process (both paths' decoding) to core 0: the server then competes with no "
+                             "decoding, as on a cluster where it has a machine of its own. Writes "
+                             "prefect_overhead[_<n>]_pinned.json.")
     args = parser.parse_args()
     problems, in_flight = args.problems_per_batch, args.batches_in_flight
 

@@ -10,7 +10,9 @@ against a local server) would otherwise sit between one batch's end and the next
 segment. So `run_batches` starts one subflow more than `batches_in_flight` ahead of time, and a
 process-wide decode slot per run (`DecodeSlots`) holds it back from decoding until a slot frees:
 its set-up overlaps the decoding of the batches in flight, and a finished batch's tear-down overlaps
-the next one's decoding.
+the next one's decoding. Each subflow runs in a thread of its own with the calling flow's context
+(no wrapper task), and they are created one at a time: on the local server's SQLite, concurrent
+writes conflict and the client retries the losing request after 2 s (HTTP 503).
 
 Deliberate simplification: the slots live in the process that runs the subflows (as the engine does);
 a rollout flow run on its own (a deployment run of one batch) decodes without waiting for one."""
@@ -25,7 +27,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from prefect import flow
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.subflows import parent_heartbeat_only
 from marsrl_core import workers
@@ -163,10 +164,10 @@ def keep_in_flight(items: Iterable[T], limit: int, submit: Callable[[T], Any],
 
 def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
                 stop: Callable[[], bool] = lambda: False) -> list[list[dict[str, int]]]:
-    """Rollout flows for `batches`, in order, as subflows of the calling flow (submitted to its task
-    runner, which needs `batches_in_flight + PREPARED_AHEAD` workers): `rollout.batches_in_flight` of
-    them decoding at a time and `PREPARED_AHEAD` more set up and waiting for a decode slot; see
-    `keep_in_flight` and `DecodeSlots`. Returns each decoded batch's turn results, in order."""
+    """Rollout flows for `batches`, in order, as subflows of the calling flow (each in a thread of its
+    own): `rollout.batches_in_flight` of them decoding at a time and `PREPARED_AHEAD` more set up and
+    waiting for a decode slot; see `keep_in_flight` and `DecodeSlots`. Returns each decoded batch's
+    turn results, in order (a batch prepared ahead that a stop request kept from decoding has none)."""
     limit = config.rollout.batches_in_flight
 
     def submit(batch: int) -> Future:
@@ -183,7 +184,7 @@ def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
     return [r for r in results if r is not None]
 
 
-@flow(name="rollouts", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
+@flow(name="rollouts", log_prints=True)
 def rollouts_flow(config: MarsRLConfig = default_config(), run_id: str = "manual", batches: list[int] | None = None,
                   finish: bool = False) -> dict[str, int]:
     """Rollout flows for `batches` (default: all of the run's), `batches_in_flight` at a time, as
