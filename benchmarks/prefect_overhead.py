@@ -6,13 +6,13 @@ runs them one after another.
 
 The overhead is accounted inside each run: its wall-clock minus the time during which some `workers`
 call (the work both paths do: opening the store, recording the run and a batch, decoding a turn,
-marking a batch done) was running, the union of those calls' intervals. With batches in flight, one batch's Prefect bookkeeping can
-overlap another batch's decoding and then costs nothing on the critical path; what is left is the
-time no decoding happened. (On this 2-core machine the decoding itself also runs slower beside
-Prefect's threads and API server, 11% in session 9's 16-problem run, which only the paired
-difference shows.) Subtracting two runs' totals instead (the paired difference, also printed)
-cannot resolve a 5% goal here: decoding times of identical runs differ by ±5% on this shared
-machine. The overhead has two parts, both reported:
+marking a batch done) was running, the union of those calls' intervals. With batches in flight, one
+batch's Prefect bookkeeping can overlap another batch's decoding and then costs nothing on the
+critical path; what is left is the time no decoding happened. (On this 2-core machine the decoding
+itself also runs slower beside Prefect's threads and API server, 11% in session 9's 16-problem run,
+which only the paired difference shows.) Subtracting two runs' totals instead (the paired difference,
+also printed) cannot resolve a 5% goal here: decoding times of identical runs differ by ±5% on this
+shared machine. The overhead has two parts, both reported:
 - per flow run, once: the parent flow's start and end (~0.75 s: Prefect joins its heartbeat thread,
   which sleeps in one-second steps), measured as the `rollouts` flow over no batch;
 - per batch: the rollout subflow and its turn tasks (API calls, state changes, parameter checks),

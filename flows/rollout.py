@@ -148,9 +148,9 @@ def _rollout_subflow(config: MarsRLConfig, run_id: str, batch_index: int) -> lis
 def keep_in_flight(items: Iterable[T], limit: int, submit: Callable[[T], Any],
                    stop: Callable[[], bool] = lambda: False) -> list[Any]:
     """`submit(item)` for each item in order, at most `limit` unfinished at a time; the oldest is awaited
-    (`.result()` of what `submit` returned: a Prefect or a `concurrent.futures` future) before the next
-    starts. `stop` is asked before each new item; once it says so, those running finish and no more
-    start. Returns the finished items' results, in order."""
+    (`.result()` of the future `submit` returned) before the next starts. `stop` is asked before each new
+    item; once it says so, those running finish and no more start. Returns the finished items' results, in
+    order."""
     pending, running, finished = list(items), [], []
     while pending or running:
         if pending and stop():
