@@ -14,7 +14,8 @@ keeps the 3 newest checkpoints and logs every 100th to MLflow), the DuckLake com
 the catalog), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
 ducklake_commits, lock_retries, rss_mb, disk_mb, errors.
 
-Run: `python benchmarks/soak.py --minutes 10`.
+Run: `python benchmarks/soak.py --minutes 10`; `--set KEY=VALUE` (repeatable) overrides a config field in
+both processes, e.g. to compare a store setting.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def rss_mb(pid: int, children: bool = True) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for both processes, as `marsrl --set` takes it")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="marsrl-soak-"))
     config = {
@@ -66,7 +69,7 @@ def main() -> None:
     }
     (work / "soak.yaml").write_text(yaml.safe_dump(config))
     base = [sys.executable, "-m", "flows.cli"]
-    common = ["--config", str(work / "soak.yaml"), "--run-id", RUN]
+    common = ["--config", str(work / "soak.yaml"), "--run-id", RUN, *(f"--set={kv}" for kv in args.set)]
 
     def env(name: str) -> dict:
         return {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(work / f"prefect-{name}")}
