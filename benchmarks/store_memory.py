@@ -9,12 +9,16 @@ store's `run_id = ?` filter, on a text column), the same count unfiltered, with 
 registered Arrow key table). Writes, which grow the store as a run does: `append` (one transaction
 of 4 samples with their segments and rewards, what a rollout stage commits, so 3 new data files
 each), and `append_compacted` (the same,
-with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would). Growth is RSS
+with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would), and
+`append_reopened` (the same appends, the store closed and reopened every 300 calls, which empties
+DuckDB's object cache). Growth is RSS
 after the last call minus RSS after the first 250 (past warm-up), per call. It is how the soak's
 remaining memory growth was traced to queries over lake tables and to the store's growth.
 
-Run: `python benchmarks/store_memory.py`. Writes benchmarks/results/store_memory.json with, per
-variant, rss_start_mb, rss_end_mb and kb_per_operation. Each variant runs in its own process.
+Run: `python benchmarks/store_memory.py` (`--only append,append_reopened` runs some variants). Writes benchmarks/results/store_memory.json with, per
+variant, rss_start_mb, rss_end_mb, kb_per_operation, and object_cache_mb and object_cache_kb_per_operation
+(DuckDB's object cache, by its own estimate, at the end and its growth per call; DuckLake keeps each
+table's statistics there per snapshot). Each variant runs in its own process.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from benchmarks.common import print_rows, write_results  # noqa: E402
 
 CALLS, WARMUP = 2000, 250
 VARIANTS = ("select_1", "lake_count", "lake_count_unfiltered", "lake_count_int_filter", "lake_count_unpushed_filter",
-            "trainable_groups", "append", "append_compacted")
+            "trainable_groups", "append", "append_compacted", "append_reopened")
+REOPEN_EVERY = 300
 
 
 def finished(rows) -> dict[str, list]:
@@ -50,7 +55,8 @@ def measure(variant: str) -> dict[str, float]:
     from marsrl_core.store import SampleRow, SegmentStore
 
     with tempfile.TemporaryDirectory() as tmp:
-        store = SegmentStore(f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
+        paths = (f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
+        store = SegmentStore(*paths)
         for b in range(30):
             rows = [SampleRow(uuid.uuid4().hex, f"b{b}", "solver", 0, f"g{b}-{i // 16}", 16, [1, 2, 3])
                     for i in range(64)]
@@ -58,10 +64,18 @@ def measure(variant: str) -> dict[str, float]:
             store.append("r", **finished(rows))
 
         def append(call: int) -> None:
+            nonlocal store
             rows = [SampleRow(uuid.uuid4().hex, f"a{call}", "verifier", 1, f"a{call}", 4, [1, 2, 3]) for _ in range(4)]
             store.append("r", samples=rows, **finished(rows))
             if variant == "append_compacted" and call % 250 == 0:
                 store.compact()
+            if variant == "append_reopened" and call % REOPEN_EVERY == 0:
+                store.close()
+                store = SegmentStore(*paths, create=False)
+
+        def object_cache_mb() -> float:
+            return store.query("SELECT coalesce(sum(memory_usage_bytes), 0) / 2**20 AS mb FROM duckdb_memory() "
+                               "WHERE tag = 'OBJECT_CACHE'").column("mb")[0].as_py()
 
         operations = {
             "select_1": lambda call: store.query("SELECT 1"),
@@ -74,29 +88,36 @@ def measure(variant: str) -> dict[str, float]:
             "trainable_groups": lambda call: store.trainable_groups_by_agent("r", ["solver", "verifier", "corrector"], 4),
             "append": append,
             "append_compacted": append,
+            "append_reopened": append,
         }
-        process, rss = psutil.Process(), {}
+        process, rss, cache = psutil.Process(), {}, {}
         for call in range(1, CALLS + 1):
             operations[variant](call)
             if call in (WARMUP, CALLS):
                 gc.collect()
-                rss[call] = process.memory_info().rss / 2**20
+                rss[call], cache[call] = process.memory_info().rss / 2**20, object_cache_mb()
     return {"rss_start_mb": rss[WARMUP], "rss_end_mb": rss[CALLS],
-            "kb_per_operation": (rss[CALLS] - rss[WARMUP]) * 1024 / (CALLS - WARMUP)}
+            "kb_per_operation": (rss[CALLS] - rss[WARMUP]) * 1024 / (CALLS - WARMUP),
+            "object_cache_mb": cache[CALLS],
+            "object_cache_kb_per_operation": (cache[CALLS] - cache[WARMUP]) * 1024 / (CALLS - WARMUP)}
 
 
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--variant":  # the child process of one variant
         print(json.dumps(measure(sys.argv[2])))
         return
+    selected = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else list(VARIANTS)
+    if unknown := sorted(set(selected) - set(VARIANTS)):
+        raise SystemExit(f"--only: unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     figures = {}
-    for variant in VARIANTS:
+    for variant in selected:
         out = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
                              check=True).stdout.strip().splitlines()[-1]
         figures[variant] = json.loads(out)
     print_rows(f"RSS growth over {CALLS - WARMUP} repeated operations", ["operation", "RSS after warm-up MB",
-               "RSS at end MB", "KB per operation"],
-               [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_operation"]] for v, f in figures.items()])
+               "RSS at end MB", "KB per operation", "object cache MB", "object cache KB per operation"],
+               [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_operation"], f["object_cache_mb"],
+                 f["object_cache_kb_per_operation"]] for v, f in figures.items()])
     print(f"written to {write_results('store_memory', figures)}")
 
 
