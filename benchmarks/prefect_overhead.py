@@ -175,7 +175,10 @@ def pin_server_apart() -> None:
         child.cpu_affinity([1])
     for process in psutil.process_iter(["name"]):
         if process.info["name"] in ("postgres", "postmaster"):
-            process.cpu_affinity([1])
+            try:
+                process.cpu_affinity([1])
+            except psutil.Error:  # another user's Postgres, or one that just exited: leave it
+                pass
     for thread_id in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(thread_id), {0})
 
