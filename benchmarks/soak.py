@@ -10,9 +10,10 @@ finished, the learner trains on what is left and stops; both record their store 
 Reports: store rows per table (and how many consumptions were samples dropped as too stale), policy
 versions, lock retries per process, RSS at the start (after the first learner step) and at the end
 with the growth in between, and its slope over the second half (goal: flat), the run's disk use (it
-keeps the 3 newest checkpoints and logs every 100th to MLflow), the DuckLake commits (snapshots in
+keeps the 3 newest checkpoints and logs every 100th to MLflow), the DuckLake commits (snapshot ids in
 the catalog), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
-ducklake_commits, lock_retries, rss_mb, disk_mb, errors.
+ducklake_commits, lock_retries, rss_mb, disk_mb, data_files, poll_ms (a learner poll on the final store),
+errors. The learner compacts the store every `store.compact_every_steps` versions (100 by default).
 
 Run: `python benchmarks/soak.py --minutes 10`; `--set KEY=VALUE` (repeatable) overrides a config field in
 both processes, e.g. to compare a store setting.
@@ -134,13 +135,20 @@ def main() -> None:
     rss = {name: {"start": steady[0][i], "end": steady[-1][i], "growth": steady[-1][i] - steady[0][i],
                   "mb_per_min_second_half": per_minute(half, i)}
            for i, name in ((1, "rollout"), (2, "learner"), (3, "rollout (no children)"), (4, "learner (no children)"))}
+    poll_s = []
+    for _ in range(5):  # what the learner's poll costs on the run's final store
+        t0 = time.perf_counter()
+        store.trainable_groups_by_agent(RUN, ["solver", "verifier", "corrector"], 4)
+        poll_s.append(time.perf_counter() - t0)
+    poll_ms, data_files = 1000 * sorted(poll_s)[2], store.data_file_count()
     disk_mb = sum(f.stat().st_size for f in work.rglob("*") if f.is_file()) / 2**20
     versions = store.latest_version(RUN)
     with sqlite3.connect(f"file:{work}/lake.sqlite?mode=ro", uri=True) as catalog:  # one snapshot per commit
-        commits = catalog.execute("SELECT count(*) FROM ducklake_snapshot").fetchone()[0]
+        # snapshot ids count up by one per commit; compaction expires old snapshots, so count the ids
+        commits = catalog.execute("SELECT max(snapshot_id) + 1 FROM ducklake_snapshot").fetchone()[0]
     figures = {"duration_s": duration, "rows": rows, "versions": versions[0] if versions else 0,
                "ducklake_commits": commits, "lock_retries": retries, "rss_mb": rss, "disk_mb": disk_mb,
-               "errors": errors, "samples": samples}
+               "data_files": data_files, "poll_ms": poll_ms, "errors": errors, "samples": samples}
     print_rows("soak: store rows", ["table", "rows"], [[t, n] for t, n in rows.items()])
     print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB",
                                    "MB/min, 2nd half", "lock retries"],
@@ -148,6 +156,8 @@ def main() -> None:
                 for name, r in rss.items()])
     print(f"DuckLake commits (catalog snapshots, both processes): {commits}, {commits / duration:.1f} a second; "
           f"the learner commits once per policy version, the rollout most of the rest")
+    print(f"at the end: {data_files} Parquet data files, a learner poll (trainable groups of all agents) "
+          f"{poll_ms:.0f} ms (median of 5)")
     print(f"duration {duration:.0f} s, policy versions {figures['versions']}, disk {disk_mb:.0f} MB "
           f"(store, checkpoints kept: 3, MLflow), errors: {errors or 'none'}")
     print(f"written to {write_results('soak', figures)}; logs in {work}")

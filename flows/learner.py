@@ -1,5 +1,7 @@
 """The learner flow: polls the store, trains as complete groups arrive, publishes versions; stops at
-the step budget, or once the rollouts have finished and nothing is left to train on."""
+the step budget, or once the rollouts have finished and nothing is left to train on. Every
+`store.compact_every_steps` versions it compacts the store (a task), so a days-long run's polls do not
+slow down with the thousands of small files its commits write."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from prefect import flow
 
 from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
+from tasks.evaluation import compact
 from tasks.learner import train_step
 
 ROLLOUTS_FINISHED = "rollouts_finished"
@@ -26,6 +29,8 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
         if workers.groups_ready(config, run_id, flush=finished):
             train_step(config, run_id, flush=finished)
             idle_since, wait_s = time.monotonic(), poll_s
+            if config.store.compact_every_steps and learner.step % config.store.compact_every_steps == 0:
+                compact(config)  # keeps the next polls' file lists short; readers keep their files (retention)
         elif finished or time.monotonic() - idle_since > idle_timeout_s:
             break
         else:  # idle: back off, so a learner waiting for rollouts queries the store less often

@@ -80,8 +80,9 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     from marsrl_core.store import SegmentStore
 
-    store = SegmentStore.from_config(_config(args).store, create=False)
-    result = store.compact()
+    store_config = _config(args).store
+    store = SegmentStore.from_config(store_config, create=False)
+    result = store.compact(retention_s=60 * store_config.compaction_retention_minutes)
     console.print(f"data files: {result['files_before']} -> {result['files_after']}")
     return 0
 

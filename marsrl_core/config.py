@@ -211,6 +211,15 @@ class StoreConfig(_Section):
         description="DuckLake catalog: 'sqlite:<file>' locally, 'postgres:<dsn>' for a cluster.",
     )
     data_path: str = Field("marsrl/lake_data/", description="Where DuckLake writes Parquet files (a folder or s3:// URL).")
+    compact_every_steps: int = Field(
+        100, ge=0, description="The learner flow compacts the store every n policy versions: merges the small "
+        "Parquet files each commit writes and expires old snapshots, so the learner's poll, which reads the "
+        "whole run, stays as fast late in a run as early (0 never; `marsrl compact` and the maintenance "
+        "deployment do the same on demand).")
+    compaction_retention_minutes: float = Field(
+        10.0, ge=0, description="Compaction keeps snapshots, and the files only they or a merge replaced, for "
+        "this long, so a query planned before it (a rollout, the learner, a user's SQL session) still finds "
+        "its files; 0 deletes them at once, safe only when nothing else is reading the store.")
 
 
 class TrackingConfig(_Section):

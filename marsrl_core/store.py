@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -250,12 +251,14 @@ class SegmentStore:
             self._con.close()
 
     # ------------------------------------------------------------------ retrying primitives
-    def _retry(self, operation: Callable[[], Any]) -> Any:
+    def _retry(self, operation: Callable[[], Any], transient: Sequence[str] = ()) -> Any:
+        """Run `operation`, retrying it with jittered backoff on a transient error (`_TRANSIENT`, plus
+        the `transient` markers given)."""
         for attempt in range(self.max_retries + 1):
             try:
                 return operation()
             except duckdb.Error as err:
-                if not _is_transient(err) or attempt == self.max_retries:
+                if not (_is_transient(err) or any(m in str(err).lower() for m in transient)) or attempt == self.max_retries:
                     raise
                 self.lock_retries += 1
                 time.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.005 * 2**attempt))
@@ -685,17 +688,53 @@ class SegmentStore:
                                 ).column("n")[0].as_py()
         return total
 
-    def compact(self) -> dict[str, int]:
-        """Merge small Parquet files, expire old snapshots and delete unreferenced files."""
+    def compact(self, retention_s: float = 0.0) -> dict[str, int]:
+        """Merge small Parquet files, expire snapshots older than `retention_s` seconds and delete the files
+        that nothing unexpired needs once they have been unneeded that long.
+
+        Safe beside live writers and readers when `retention_s` exceeds the longest query: merging keeps
+        every snapshot readable (a snapshot can refer to part of a merged file), and a file replaced by a
+        merge stays on disk past the retention, so a query planned against the snapshot before the merge
+        still finds it. `retention_s=0` deletes at once: only for a store nothing else is reading.
+
+        Two workarounds, both measured on DuckLake 1.5.5 with the SQLite catalog:
+        - its `older_than` compares timestamps as text, so a bound on the current UTC day matches every
+          snapshot and file of that day (even those of the last second). Snapshots are therefore expired
+          by id, chosen here with a real timestamp comparison, and files are deleted with a bound on the
+          UTC day before the retention's horizon: they stay on disk up to a day longer, never shorter;
+        - its flush of inlined rows reports a concurrent commit as an aborted transaction: a failed call
+          is rolled back and retried like a lock conflict."""
+        if retention_s < 0:
+            raise StoreError(f"retention_s={retention_s}: must be >= 0")
         before = self.data_file_count()
 
         def run(sql: str) -> None:
             with self._lock:
-                self._con.execute(sql)
+                try:
+                    self._con.execute(sql).fetchall()
+                except duckdb.Error:
+                    try:
+                        self._con.execute("ROLLBACK")
+                    except duckdb.Error:
+                        pass
+                    raise
 
-        for sql in (f"CALL ducklake_flush_inlined_data('{CATALOG}')",
-                    f"CALL ducklake_merge_adjacent_files('{CATALOG}')",
-                    f"CALL ducklake_expire_snapshots('{CATALOG}', older_than => now())",
-                    f"CALL ducklake_cleanup_old_files('{CATALOG}', cleanup_all => true)"):
-            self._retry(lambda sql=sql: run(sql))
-        return {"files_before": before, "files_after": self.data_file_count()}
+        def call(sql: str) -> None:
+            self._retry(lambda: run(sql), transient=("transaction is aborted",))
+
+        call(f"CALL ducklake_flush_inlined_data('{CATALOG}')")
+        call(f"CALL ducklake_merge_adjacent_files('{CATALOG}')")
+        expired = self._read(
+            f"""SELECT coalesce(list(snapshot_id ORDER BY snapshot_id), []) AS ids FROM ducklake_snapshots('{CATALOG}')
+                WHERE snapshot_time < now() - INTERVAL '{float(retention_s)} seconds'
+                  AND snapshot_id < (SELECT max(snapshot_id) FROM ducklake_snapshots('{CATALOG}'))""",
+        ).column("ids")[0].as_py()
+        if expired:
+            call(f"CALL ducklake_expire_snapshots('{CATALOG}', versions => {[int(v) for v in expired]})")
+        if retention_s == 0:
+            call(f"CALL ducklake_cleanup_old_files('{CATALOG}', cleanup_all => true)")
+        else:
+            horizon = datetime.now(timezone.utc) - timedelta(seconds=retention_s)
+            day_before = horizon.replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(microseconds=1)
+            call(f"CALL ducklake_cleanup_old_files('{CATALOG}', older_than => TIMESTAMPTZ '{day_before.isoformat()}')")
+        return {"files_before": before, "files_after": self.data_file_count(), "snapshots_expired": len(expired)}

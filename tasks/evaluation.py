@@ -16,4 +16,4 @@ def evaluate(config: MarsRLConfig, run_id: str, label: str, checkpoint: str | No
 
 @task(name="compact-store", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def compact(config: MarsRLConfig) -> dict[str, int]:
-    return workers.store_for(config).compact()
+    return workers.store_for(config).compact(retention_s=60 * config.store.compaction_retention_minutes)

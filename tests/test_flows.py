@@ -235,6 +235,23 @@ def test_synchronous_train_flow_decodes_no_batch_after_the_learner_has_its_steps
     assert SegmentStore.from_config(cfg.store).count("problems", "sync") == 2
 
 
+def test_learner_flow_compacts_the_store_every_n_versions(tmp_path):
+    from flows.train import train_flow
+    from marsrl_core.store import SegmentStore
+
+    cfg = small_config(tmp_path, **{"rollout.synchronous": True, "data.num_batches": 1, "learner.max_steps": 1,
+                                    "store.compact_every_steps": 1})
+    store = SegmentStore.from_config(cfg.store)
+    assert train_flow(cfg, "compacted", evaluate_before=False, evaluate_after=False)["learner_steps"] == 1
+    kinds = [r["kinds"] for r in store.query("SELECT map_keys(changes) AS kinds FROM ducklake_snapshots('lake')").to_pylist()]
+    # This small run's inserts are inlined into the catalog: compaction flushes them to Parquet (a
+    # larger run's are Parquet files already, and compaction merges them). One version, one compaction.
+    assert sum("flushed_inlined" in k or "merge_adjacent" in k for k in kinds) == 1
+    assert store.latest_version("compacted")[0] == 1
+    ids = store.query("SELECT sample_id FROM samples WHERE run_id = 'compacted'").column("sample_id").to_pylist()
+    assert len(store.load_samples("compacted", ids)) == len(ids) > 0  # every sample still reads
+
+
 def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
     from flows.cli import main
 

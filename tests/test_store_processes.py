@@ -72,3 +72,29 @@ def test_sigkill_mid_append_leaves_whole_batches(store_paths):
     # The store still opens and accepts writes.
     store.append("after", samples=[SampleRow("x", "p", "solver", 0, "gx", 1, [1])])
     assert store.count("samples", "after") == 1
+
+
+@pytest.mark.slow
+def test_compaction_while_a_writer_and_a_reader_process_run_loses_nothing(store_paths):
+    """The learner flow compacts the store while rollouts write and users read: a writer and a reader
+    process run while this process compacts again and again (with a retention, as the learner does).
+    DuckLake reports some of the conflicts as an aborted transaction, which compaction retries."""
+    catalog, data = store_paths
+    SegmentStore(catalog, data).close()
+    writer = _spawn("writer", catalog, data, RUN, "20")
+    reader = _spawn("reader", catalog, data, RUN, "20")
+    maintainer = SegmentStore(catalog, data, create=False)
+    compactions = []
+    while writer.poll() is None or reader.poll() is None:
+        compactions.append(maintainer.compact(retention_s=60))  # raises on any error that is not retried
+    w_out, w_err = writer.communicate(timeout=180)
+    r_out, r_err = reader.communicate(timeout=180)
+    assert writer.returncode == 0, w_err[-2000:]
+    assert reader.returncode == 0, r_err[-2000:]
+    assert len(compactions) >= 3 and any(c["files_after"] < c["files_before"] for c in compactions)
+    written = json.loads(w_out.strip().splitlines()[-1])
+    read = json.loads(r_out.strip().splitlines()[-1])
+    store = SegmentStore(catalog, data)
+    assert store.count("segments", RUN) == store.count("samples", RUN) == written["segments"] > 0
+    assert store.count("consumptions", RUN) == read["consumed"] > 0
+    assert store.latest_version(RUN)[0] == read["steps"]
