@@ -12,7 +12,8 @@ versions, lock retries per process, RSS at the start (after the first learner st
 with the growth in between, and its slope over the second half (goal: flat), the run's disk use (it
 keeps the 3 newest checkpoints and logs every 100th to MLflow), the DuckLake commits (snapshot ids in
 the catalog), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
-ducklake_commits, lock_retries, rss_mb, disk_mb, data_files, poll_ms (a learner poll on the final store),
+ducklake_commits, lock_retries, rss_mb, rss_by_kind_mb (resident memory by mapping kind at the first
+learner step and at the end), disk_mb, data_files, poll_ms (a learner poll on the final store),
 errors. The learner compacts the store every `store.compact_every_steps` versions (100 by default).
 
 Run: `python benchmarks/soak.py --minutes 10`; `--set KEY=VALUE` (repeatable) overrides a config field in
@@ -53,6 +54,35 @@ def rss_mb(pid: int, children: bool = True) -> float:
         return float("nan")
 
 
+def rss_by_kind(pid: int) -> dict[str, float]:
+    """Resident MB of a process by mapping (Linux /proc/PID/smaps): the brk heap (glibc's main arena),
+    glibc's thread arenas (anonymous 64 MiB-aligned heaps), other anonymous memory (large malloc
+    chunks, DuckDB's allocator, torch) and file-backed pages (libraries). Where growth lives."""
+    kinds = {"heap": 0, "thread arenas": 0, "other anonymous": 0, "files": 0}
+    try:
+        with open(f"/proc/{pid}/smaps") as smaps:
+            kind = None
+            for line in smaps:
+                fields = line.split()
+                if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: range perms offset dev inode [name]
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    name = fields[5] if len(fields) > 5 else ""
+                    if name == "[heap]":
+                        kind = "heap"
+                    elif name.startswith("/"):
+                        kind = "files"
+                    elif name and name.startswith("["):
+                        kind = None  # stack, vdso, ...
+                    else:
+                        aligned = start % (64 << 20) == 0 and end - start <= 64 << 20
+                        kind = "thread arenas" if aligned else "other anonymous"
+                elif fields[0] == "Rss:" and kind:
+                    kinds[kind] += int(fields[1]) / 1024
+    except OSError:
+        return {}
+    return kinds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -84,17 +114,19 @@ def main() -> None:
     store = None
     start, deadline = time.monotonic(), time.monotonic() + args.minutes * 60
     samples: list[tuple[float, float, float]] = []
-    first_step_at = None
+    first_step_at, by_kind_start = None, {}
     while time.monotonic() < deadline and all(p.poll() is None for p in processes.values()):
         time.sleep(15)
         if store is None and (work / "lake.sqlite").exists():
             store = SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"], create=False)
         if first_step_at is None and store is not None and store.latest_version(RUN) is not None:
             first_step_at = len(samples)
+            by_kind_start = {name: rss_by_kind(p.pid) for name, p in processes.items()}
         samples.append((time.monotonic() - start, rss_mb(rollout.pid), rss_mb(learner.pid),
                         rss_mb(rollout.pid, children=False), rss_mb(learner.pid, children=False)))
         print(f"{samples[-1][0]:6.0f}s  rss rollout {samples[-1][1]:7.1f} MB ({samples[-1][3]:7.1f} without children)"
               f"  learner {samples[-1][2]:7.1f} MB ({samples[-1][4]:7.1f})", flush=True)
+    by_kind_end = {name: rss_by_kind(p.pid) for name, p in processes.items()}
     errors = [f"{name} exited early with status {p.returncode}" for name, p in processes.items() if p.poll() is not None]
     store = store or SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"], create=False)
     store.mark(RUN, STOP_REQUESTED)
@@ -148,13 +180,17 @@ def main() -> None:
         commits = catalog.execute("SELECT max(snapshot_id) + 1 FROM ducklake_snapshot").fetchone()[0]
     figures = {"duration_s": duration, "rows": rows, "versions": versions[0] if versions else 0,
                "ducklake_commits": commits, "lock_retries": retries, "rss_mb": rss, "disk_mb": disk_mb,
-               "data_files": data_files, "poll_ms": poll_ms, "errors": errors, "samples": samples}
+               "rss_by_kind_mb": {"start": by_kind_start, "end": by_kind_end}, "data_files": data_files, "poll_ms": poll_ms, "errors": errors, "samples": samples}
     print_rows("soak: store rows", ["table", "rows"], [[t, n] for t, n in rows.items()])
     print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB",
                                    "MB/min, 2nd half", "lock retries"],
                [[name, r["start"], r["end"], r["growth"], r["mb_per_min_second_half"], retries.get(name, "")]
                 for name, r in rss.items()])
-    print(f"DuckLake commits (catalog snapshots, both processes): {commits}, {commits / duration:.1f} a second; "
+    print_rows("soak: resident memory by mapping, first learner step -> end (MB, without children)",
+               ["process", *next(iter(by_kind_end.values()), {})],
+               [[name, *(f"{by_kind_start.get(name, {}).get(k, float('nan')):.0f} -> {v:.0f}"
+                         for k, v in kinds.items())] for name, kinds in by_kind_end.items()])
+    print(f"DuckLake commits (snapshot ids in the catalog, both processes): {commits}, {commits / duration:.1f} a second; "
           f"the learner commits once per policy version, the rollout most of the rest")
     print(f"at the end: {data_files} Parquet data files, a learner poll (trainable groups of all agents) "
           f"{poll_ms:.0f} ms (median of 5)")

@@ -111,6 +111,7 @@ class StoredSample:
     num_segments: int = 0
 
 
+COMPACTED_FILE_BYTES = 16 * 2**20  # compaction merges files smaller than this (DuckLake's default: 512 MB)
 DROPPED_STALE = -1  # consumptions.learner_step of a sample the learner dropped untrained as too stale
 
 
@@ -697,21 +698,24 @@ class SegmentStore:
         merge stays on disk past the retention, so a query planned against the snapshot before the merge
         still finds it. `retention_s=0` deletes at once: only for a store nothing else is reading.
 
+        Merged files are left alone once they reach `COMPACTED_FILE_BYTES`, so a compaction rewrites at
+        most that much of a table's older data, not the whole table each time.
+
         Two workarounds, both measured on DuckLake 1.5.5 with the SQLite catalog:
         - its `older_than` compares timestamps as text, so a bound on the current UTC day matches every
           snapshot and file of that day (even those of the last second). Snapshots are therefore expired
-          by id, chosen here with a real timestamp comparison, and files are deleted with a bound on the
-          UTC day before the retention's horizon: they stay on disk up to a day longer, never shorter;
+          by id, and replaced files deleted by id (`_delete_replaced_files`), both chosen here with a real
+          timestamp comparison;
         - its flush of inlined rows reports a concurrent commit as an aborted transaction: a failed call
           is rolled back and retried like a lock conflict."""
         if retention_s < 0:
             raise StoreError(f"retention_s={retention_s}: must be >= 0")
         before = self.data_file_count()
 
-        def run(sql: str) -> None:
+        def run(sql: str) -> list:
             with self._lock:
                 try:
-                    self._con.execute(sql).fetchall()
+                    return self._con.execute(sql).fetchall()
                 except duckdb.Error:
                     try:
                         self._con.execute("ROLLBACK")
@@ -719,11 +723,11 @@ class SegmentStore:
                         pass
                     raise
 
-        def call(sql: str) -> None:
-            self._retry(lambda: run(sql), transient=("transaction is aborted",))
+        def call(sql: str) -> list:
+            return self._retry(lambda: run(sql), transient=("transaction is aborted",))
 
         call(f"CALL ducklake_flush_inlined_data('{CATALOG}')")
-        call(f"CALL ducklake_merge_adjacent_files('{CATALOG}')")
+        call(f"CALL ducklake_merge_adjacent_files('{CATALOG}', max_file_size => {COMPACTED_FILE_BYTES})")
         expired = self._read(
             f"""SELECT coalesce(list(snapshot_id ORDER BY snapshot_id), []) AS ids FROM ducklake_snapshots('{CATALOG}')
                 WHERE snapshot_time < now() - INTERVAL '{float(retention_s)} seconds'
@@ -731,10 +735,38 @@ class SegmentStore:
         ).column("ids")[0].as_py()
         if expired:
             call(f"CALL ducklake_expire_snapshots('{CATALOG}', versions => {[int(v) for v in expired]})")
+        deleted = self._delete_replaced_files(retention_s, call)
+        return {"files_before": before, "files_after": self.data_file_count(), "snapshots_expired": len(expired),
+                "files_deleted": deleted}
+
+    def _delete_replaced_files(self, retention_s: float, call: Callable[[str], list]) -> int:
+        """Delete the data files DuckLake scheduled for deletion (replaced by a merge, or needed only by
+        expired snapshots) at least `retention_s` seconds ago, and forget them in its catalog: what
+        `ducklake_cleanup_old_files(older_than => ...)` would do, with a real timestamp comparison.
+        Remote data paths go through DuckLake's function with a bound on the UTC day before the horizon
+        (its text comparison is right across days): their files stay up to a day longer."""
         if retention_s == 0:
-            call(f"CALL ducklake_cleanup_old_files('{CATALOG}', cleanup_all => true)")
-        else:
+            return len(call(f"CALL ducklake_cleanup_old_files('{CATALOG}', cleanup_all => true)"))
+        if "://" in self.data_path:
             horizon = datetime.now(timezone.utc) - timedelta(seconds=retention_s)
             day_before = horizon.replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(microseconds=1)
-            call(f"CALL ducklake_cleanup_old_files('{CATALOG}', older_than => TIMESTAMPTZ '{day_before.isoformat()}')")
-        return {"files_before": before, "files_after": self.data_file_count(), "snapshots_expired": len(expired)}
+            return len(call(f"CALL ducklake_cleanup_old_files('{CATALOG}', "
+                            f"older_than => TIMESTAMPTZ '{day_before.isoformat()}')"))
+        scheduled = f"__ducklake_metadata_{CATALOG}.ducklake_files_scheduled_for_deletion"
+        due = self._read(f"""SELECT data_file_id, path, path_is_relative FROM {scheduled}
+                             WHERE schedule_start::TIMESTAMPTZ < now() - INTERVAL '{float(retention_s)} seconds'""")
+        root = Path(self.data_path).resolve()
+        for row in due.to_pylist():
+            path = root / row["path"] if row["path_is_relative"] else Path(row["path"])
+            path.unlink(missing_ok=True)  # a file deleted by an earlier, interrupted cleanup is gone already
+
+        def forget(con: duckdb.DuckDBPyConnection) -> None:
+            con.register("_due", due)
+            try:
+                con.execute(f"DELETE FROM {scheduled} WHERE data_file_id IN (SELECT data_file_id FROM _due)")
+            finally:
+                con.unregister("_due")
+
+        if due.num_rows:
+            self._transaction(forget)
+        return due.num_rows

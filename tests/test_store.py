@@ -198,23 +198,35 @@ def _parquet_files(data) -> set[str]:
 
 
 def test_compaction_keeps_replaced_files_for_the_retention_then_deletes_them(store_paths):
+    import time
+
     catalog, data = store_paths
     store = SegmentStore(catalog, data)
-    for g in range(4):  # batches over the inlining limit make real Parquet files
-        rows = [SampleRow(f"g{g}-{i}", "p", "solver", 0, f"g{g}", 20, [1]) for i in range(20)]
-        store.append(RUN, samples=rows)
-    written = _parquet_files(data)
-    before = store.query("SELECT max(snapshot_id) AS s FROM ducklake_snapshots('lake')").column("s")[0].as_py()
 
+    def append_four(tag):  # batches over the inlining limit make real Parquet files
+        for g in range(4):
+            store.append(RUN, samples=[SampleRow(f"{tag}{g}-{i}", "p", "solver", 0, f"{tag}{g}", 20, [1])
+                                       for i in range(20)])
+
+    append_four("a")
+    first = _parquet_files(data)
+    before = store.query("SELECT max(snapshot_id) AS s FROM ducklake_snapshots('lake')").column("s")[0].as_py()
     result = store.compact(retention_s=3600)
-    assert result["files_after"] < result["files_before"]
+    assert result["files_after"] < result["files_before"] and result["files_deleted"] == 0
     # A query planned before the merge still finds every file it listed, and the old snapshot reads.
-    assert written <= _parquet_files(data)
+    assert first <= _parquet_files(data)
     assert store.query(f"SELECT count(*) AS n FROM samples AT (VERSION => {before})").column("n")[0].as_py() == 80
 
-    store.compact(retention_s=0)  # nothing else reads: the replaced files go
-    assert not written & _parquet_files(data)
-    assert store.count("samples", RUN) == 80
+    time.sleep(1.5)
+    append_four("b")
+    second = _parquet_files(data) - first
+    result = store.compact(retention_s=1.0)  # the first merge's replaced files are old enough, not this one's
+    assert result["files_deleted"] == len(first)
+    assert not first & _parquet_files(data) and second <= _parquet_files(data)
+
+    store.compact(retention_s=0)  # nothing else reads: every replaced file goes
+    assert not second & _parquet_files(data)
+    assert store.count("samples", RUN) == 160 and len(_parquet_files(data)) == store.data_file_count()
 
 
 def test_sample_ids_are_known_per_run(store):
