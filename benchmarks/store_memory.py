@@ -11,12 +11,17 @@ of 4 samples with their segments and rewards, what a rollout stage commits, so 3
 each), and `append_compacted` (the same,
 with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would), and
 `append_reopened` (the same appends, the store closed and reopened every 300 calls, which empties
-DuckDB's object cache). Growth is RSS
-after the last call minus RSS after the first 250 (past warm-up), per call. It is how the soak's
+DuckDB's object cache), and `duckdb_join` (no store: a join of two 20,000-row tables in a plain
+in-memory DuckDB, the base case). Growth is RSS
+after the last call minus RSS after the first 250 (past warm-up), per call. Beside RSS, each variant
+reports the growth of live `malloc` memory (glibc's `mallinfo2`, what C++ `new` in DuckDB and
+DuckLake allocates) and of DuckDB's own jemalloc (its resident bytes, read through the exported
+`duckdb_je_mallctl`), which tells a native allocation that stays live from pages an allocator keeps. It is how the soak's
 remaining memory growth was traced to queries over lake tables and to the store's growth.
 
 Run: `python benchmarks/store_memory.py` (`--only append,append_reopened` runs some variants). Writes benchmarks/results/store_memory.json with, per
-variant, rss_start_mb, rss_end_mb, kb_per_operation, and object_cache_mb and object_cache_kb_per_operation
+variant, rss_start_mb, rss_end_mb, kb_per_operation, malloc_in_use_kb_per_operation,
+duckdb_allocator_resident_kb_per_operation, and object_cache_mb and object_cache_kb_per_operation
 (DuckDB's object cache, by its own estimate, at the end and its growth per call; DuckLake keeps each
 table's statistics there per snapshot). Each variant runs in its own process.
 """
@@ -37,7 +42,7 @@ from benchmarks.common import print_rows, write_results  # noqa: E402
 
 CALLS, WARMUP = 2000, 250
 VARIANTS = ("select_1", "lake_count", "lake_count_unfiltered", "lake_count_int_filter", "lake_count_unpushed_filter",
-            "trainable_groups", "append", "append_compacted", "append_reopened")
+            "trainable_groups", "append", "append_compacted", "append_reopened", "duckdb_join")
 REOPEN_EVERY = 300
 
 
@@ -47,6 +52,42 @@ def finished(rows) -> dict[str, list]:
 
     return {"segments": [SegmentRow(r.sample_id, 0, [1] * 20, [-0.1] * 20, 0, "stop") for r in rows],
             "rewards": [RewardRow(r.sample_id, 1.0, True) for r in rows]}
+
+
+def malloc_in_use_mb() -> float:
+    """Live bytes allocated through glibc's malloc, over all arenas (Linux; NaN elsewhere)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return float("nan")
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+
+def duckdb_allocator_resident_mb() -> float:
+    """Resident bytes of the jemalloc bundled in DuckDB's Linux wheel (NaN where it is not there)."""
+    import ctypes
+    import glob
+    import os
+
+    import duckdb
+
+    try:
+        library = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(duckdb.__file__), "..", "_duckdb*.so"))[0])
+        mallctl = library.duckdb_je_mallctl
+    except (IndexError, OSError, AttributeError):
+        return float("nan")
+    epoch, value, size = ctypes.c_uint64(1), ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+    mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.c_size_t(ctypes.sizeof(epoch)))  # refresh the stats
+    if mallctl(b"stats.resident", ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        return float("nan")
+    return value.value / 2**20
 
 
 def measure(variant: str) -> dict[str, float]:
@@ -77,7 +118,9 @@ def measure(variant: str) -> dict[str, float]:
             return store.query("SELECT coalesce(sum(memory_usage_bytes), 0) / 2**20 AS mb FROM duckdb_memory() "
                                "WHERE tag = 'OBJECT_CACHE'").column("mb")[0].as_py()
 
+        plain = duckdb_connection_with_join_tables() if variant == "duckdb_join" else None
         operations = {
+            "duckdb_join": lambda call: plain.execute("SELECT count(*) FROM a JOIN b USING (s)").fetchall(),
             "select_1": lambda call: store.query("SELECT 1"),
             "lake_count": lambda call: store.count("samples", "r"),  # WHERE run_id = ?: a text filter
             "lake_count_unfiltered": lambda call: store.query("SELECT count(*) FROM samples"),
@@ -90,16 +133,30 @@ def measure(variant: str) -> dict[str, float]:
             "append_compacted": append,
             "append_reopened": append,
         }
-        process, rss, cache = psutil.Process(), {}, {}
+        process, rss, cache, in_use, jemalloc = psutil.Process(), {}, {}, {}, {}
         for call in range(1, CALLS + 1):
             operations[variant](call)
             if call in (WARMUP, CALLS):
                 gc.collect()
                 rss[call], cache[call] = process.memory_info().rss / 2**20, object_cache_mb()
+                in_use[call], jemalloc[call] = malloc_in_use_mb(), duckdb_allocator_resident_mb()
+    per_call = 1024 / (CALLS - WARMUP)
     return {"rss_start_mb": rss[WARMUP], "rss_end_mb": rss[CALLS],
-            "kb_per_operation": (rss[CALLS] - rss[WARMUP]) * 1024 / (CALLS - WARMUP),
+            "kb_per_operation": (rss[CALLS] - rss[WARMUP]) * per_call,
+            "malloc_in_use_kb_per_operation": (in_use[CALLS] - in_use[WARMUP]) * per_call,
+            "duckdb_allocator_resident_kb_per_operation": (jemalloc[CALLS] - jemalloc[WARMUP]) * per_call,
             "object_cache_mb": cache[CALLS],
             "object_cache_kb_per_operation": (cache[CALLS] - cache[WARMUP]) * 1024 / (CALLS - WARMUP)}
+
+
+def duckdb_connection_with_join_tables():
+    """A plain in-memory DuckDB (no store) with two 20,000-row tables joined on a text column."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE a AS SELECT i, 'x' || i AS s FROM range(20000) t(i)")
+    con.execute("CREATE TABLE b AS SELECT i, 'x' || (i * 3) AS s FROM range(20000) t(i)")
+    return con
 
 
 def main() -> None:
@@ -114,9 +171,11 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
                              check=True).stdout.strip().splitlines()[-1]
         figures[variant] = json.loads(out)
-    print_rows(f"RSS growth over {CALLS - WARMUP} repeated operations", ["operation", "RSS after warm-up MB",
-               "RSS at end MB", "KB per operation", "object cache MB", "object cache KB per operation"],
-               [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_operation"], f["object_cache_mb"],
+    print_rows(f"Memory growth over {CALLS - WARMUP} repeated operations", ["operation", "RSS after warm-up MB",
+               "RSS at end MB", "RSS KB per operation", "live malloc KB per operation",
+               "DuckDB jemalloc resident KB per operation", "object cache MB", "object cache KB per operation"],
+               [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_operation"], f["malloc_in_use_kb_per_operation"],
+                 f["duckdb_allocator_resident_kb_per_operation"], f["object_cache_mb"],
                  f["object_cache_kb_per_operation"]] for v, f in figures.items()])
     print(f"written to {write_results('store_memory', figures)}")
 
