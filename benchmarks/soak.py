@@ -180,7 +180,8 @@ def main() -> None:
         commits = catalog.execute("SELECT max(snapshot_id) + 1 FROM ducklake_snapshot").fetchone()[0]
     figures = {"duration_s": duration, "rows": rows, "versions": versions[0] if versions else 0,
                "ducklake_commits": commits, "lock_retries": retries, "rss_mb": rss, "disk_mb": disk_mb,
-               "rss_by_kind_mb": {"start": by_kind_start, "end": by_kind_end}, "data_files": data_files, "poll_ms": poll_ms, "errors": errors, "samples": samples}
+               "rss_by_kind_mb": {"start": by_kind_start, "end": by_kind_end}, "data_files": data_files,
+               "poll_ms": poll_ms, "errors": errors, "samples": samples}
     print_rows("soak: store rows", ["table", "rows"], [[t, n] for t, n in rows.items()])
     print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB",
                                    "MB/min, 2nd half", "lock retries"],
@@ -190,7 +191,8 @@ def main() -> None:
                ["process", *next(iter(by_kind_end.values()), {})],
                [[name, *(f"{by_kind_start.get(name, {}).get(k, float('nan')):.0f} -> {v:.0f}"
                          for k, v in kinds.items())] for name, kinds in by_kind_end.items()])
-    print(f"DuckLake commits (snapshot ids in the catalog, both processes): {commits}, {commits / duration:.1f} a second; "
+    print(f"DuckLake commits (snapshot ids in the catalog, both processes): {commits}, "
+          f"{commits / duration:.1f} a second; "
           f"the learner commits once per policy version, the rollout most of the rest")
     print(f"at the end: {data_files} Parquet data files, a learner poll (trainable groups of all agents) "
           f"{poll_ms:.0f} ms (median of 5)")

@@ -16,12 +16,13 @@ in-memory DuckDB, the base case). Growth is RSS
 after the last call minus RSS after the first 250 (past warm-up), per call. Beside RSS, each variant
 reports the growth of live `malloc` memory (glibc's `mallinfo2`, what C++ `new` in DuckDB and
 DuckLake allocates) and of DuckDB's own jemalloc (its resident bytes, read through the exported
-`duckdb_je_mallctl`), which tells a native allocation that stays live from pages an allocator keeps. It is how the soak's
-remaining memory growth was traced to queries over lake tables and to the store's growth.
+`duckdb_je_mallctl`), which tells a native allocation that stays live from pages an allocator keeps.
+It is how the soak's remaining memory growth was traced to queries over lake tables and to the
+store's growth.
 
-Run: `python benchmarks/store_memory.py` (`--only append,append_reopened` runs some variants). Writes benchmarks/results/store_memory.json with, per
-variant, rss_start_mb, rss_end_mb, kb_per_operation, malloc_in_use_kb_per_operation,
-duckdb_allocator_resident_kb_per_operation, and object_cache_mb and object_cache_kb_per_operation
+Run: `python benchmarks/store_memory.py` (`--only append,append_reopened` runs some variants).
+Writes benchmarks/results/store_memory.json with, per variant, rss_start_mb, rss_end_mb,
+kb_per_operation, malloc_in_use_kb_per_operation, duckdb_allocator_resident_kb_per_operation, and object_cache_mb and object_cache_kb_per_operation
 (DuckDB's object cache, by its own estimate, at the end and its growth per call; DuckLake keeps each
 table's statistics there per snapshot). Each variant runs in its own process.
 """
@@ -146,7 +147,7 @@ def measure(variant: str) -> dict[str, float]:
             "malloc_in_use_kb_per_operation": (in_use[CALLS] - in_use[WARMUP]) * per_call,
             "duckdb_allocator_resident_kb_per_operation": (jemalloc[CALLS] - jemalloc[WARMUP]) * per_call,
             "object_cache_mb": cache[CALLS],
-            "object_cache_kb_per_operation": (cache[CALLS] - cache[WARMUP]) * 1024 / (CALLS - WARMUP)}
+            "object_cache_kb_per_operation": (cache[CALLS] - cache[WARMUP]) * per_call}
 
 
 def duckdb_connection_with_join_tables():

@@ -259,7 +259,8 @@ class SegmentStore:
             try:
                 return operation()
             except duckdb.Error as err:
-                if not (_is_transient(err) or any(m in str(err).lower() for m in transient)) or attempt == self.max_retries:
+                retriable = _is_transient(err) or any(marker in str(err).lower() for marker in transient)
+                if not retriable or attempt == self.max_retries:
                     raise
                 self.lock_retries += 1
                 time.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.005 * 2**attempt))
@@ -276,13 +277,17 @@ class SegmentStore:
                     self._con.execute("COMMIT")
                     return result
                 except BaseException:
-                    try:
-                        self._con.execute("ROLLBACK")
-                    except duckdb.Error:
-                        pass
+                    self._rollback_quietly()
                     raise
 
         return self._retry(attempt)
+
+    def _rollback_quietly(self) -> None:
+        """End a failed transaction so the connection can run the retry (there may be none to end)."""
+        try:
+            self._con.execute("ROLLBACK")
+        except duckdb.Error:
+            pass
 
     def _read(self, sql: str, params: Sequence[Any] = (), tables: dict[str, pa.Table] | None = None) -> pa.Table:
         def attempt() -> pa.Table:
@@ -717,10 +722,7 @@ class SegmentStore:
                 try:
                     return self._con.execute(sql).fetchall()
                 except duckdb.Error:
-                    try:
-                        self._con.execute("ROLLBACK")
-                    except duckdb.Error:
-                        pass
+                    self._rollback_quietly()
                     raise
 
         def call(sql: str) -> list:

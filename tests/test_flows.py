@@ -243,7 +243,8 @@ def test_learner_flow_compacts_the_store_every_n_versions(tmp_path):
                                     "store.compact_every_steps": 1})
     store = SegmentStore.from_config(cfg.store)
     assert train_flow(cfg, "compacted", evaluate_before=False, evaluate_after=False)["learner_steps"] == 1
-    kinds = [r["kinds"] for r in store.query("SELECT map_keys(changes) AS kinds FROM ducklake_snapshots('lake')").to_pylist()]
+    snapshots = store.query("SELECT map_keys(changes) AS kinds FROM ducklake_snapshots('lake')")
+    kinds = [r["kinds"] for r in snapshots.to_pylist()]
     # This small run's inserts are inlined into the catalog: compaction flushes them to Parquet (a
     # larger run's are Parquet files already, and compaction merges them). One version, one compaction.
     assert sum("flushed_inlined" in k or "merge_adjacent" in k for k in kinds) == 1
