@@ -220,6 +220,16 @@ class StoreConfig(_Section):
         10.0, ge=0, description="Compaction keeps snapshots, and the files only they or a merge replaced, for "
         "this long, so a query planned before it (a rollout, the learner, a user's SQL session) still finds "
         "its files; 0 deletes them at once, safe only when nothing else is reading the store.")
+    separate_process: bool = Field(
+        True, description="Training processes (rollout, learner, train) run the store's DuckDB connection in a "
+        "child process: DuckDB keeps a little native memory per query and per commit for as long as the "
+        "process lives, so a days-long run's processes would otherwise grow without bound "
+        "(`marsrl_core/store_process.py`). False keeps the connection in the process.")
+    recycle_after_mb: float = Field(
+        64.0, gt=0, description="With `separate_process`, the store's child process is replaced (between calls; "
+        "the replacement starts at once) when its resident memory has grown this many MB past what it had after "
+        "its first call. Bounds the store's memory; a replacement costs about a second of a background "
+        "start.")
 
 
 class TrackingConfig(_Section):
@@ -269,6 +279,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "problems_per_batch": 128,
         },
         "learner": {"learning_rate": 1e-6, "policies": "shared"},
+        # Paper-scale reads (64 samples of up to 64K tokens) pass through the store's process: budget for them.
+        "store": {"recycle_after_mb": 1024},
     },
     # CPU demo: a tiny model built from a config, short budgets, small batches.
     "tiny": {

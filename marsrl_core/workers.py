@@ -32,20 +32,31 @@ from marsrl_core.problems import LoadedProblems, Problem, load_problems
 from marsrl_core.roles import Roles
 from marsrl_core.rollout import RolloutScheduler
 from marsrl_core.store import SegmentStore
+from marsrl_core.store_process import StoreProcess
 from marsrl_core.synthetic import make_problems
 
 _lock = threading.RLock()
-_stores: dict[tuple[str, str], SegmentStore] = {}
+_stores: dict[tuple[str, str], SegmentStore | StoreProcess] = {}
 _engines: dict[tuple[str, str], BatchingEngine] = {}
 _learners: dict[str, Any] = {}
 
 
-def store_for(cfg: MarsRLConfig) -> SegmentStore:
+def store_for(cfg: MarsRLConfig) -> SegmentStore | StoreProcess:
+    """The process's store: in a child process of its own unless `store.separate_process` is off."""
     key = (cfg.store.catalog_url, cfg.store.data_path)
     with _lock:
         if key not in _stores:
-            _stores[key] = SegmentStore.from_config(cfg.store)
+            kind = StoreProcess if cfg.store.separate_process else SegmentStore
+            _stores[key] = kind.from_config(cfg.store)
         return _stores[key]
+
+
+def close_stores() -> None:
+    """Close the process's stores (and their child processes); the next `store_for` opens afresh."""
+    with _lock:
+        for store in _stores.values():
+            store.close()
+        _stores.clear()
 
 
 def engine_for(cfg: MarsRLConfig, agent: str = "policy") -> BatchingEngine:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from marsrl_core.store import SegmentStore
@@ -18,3 +20,12 @@ def store(store_paths):
     s = SegmentStore(catalog, data)
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True)
+def close_worker_stores():
+    """After each test, close the stores `workers.store_for` opened (each serves from a child process)."""
+    yield
+    workers = sys.modules.get("marsrl_core.workers")
+    if workers is not None:
+        workers.close_stores()

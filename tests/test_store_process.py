@@ -1,0 +1,130 @@
+"""The store served by a child process: same results as in-process, errors come back, the child is
+replaced when it has grown, a dead child fails one call, an orphaned child exits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from marsrl_core import workers
+from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore, StoreError
+from marsrl_core.store_process import StoreProcess
+from tests.configs import small_config
+
+RUN = "run-1"
+
+
+def _write_group(store, group_id: str, size: int = 3) -> list[str]:
+    ids = [f"{group_id}-{i}" for i in range(size)]
+    store.append(RUN, samples=[SampleRow(sid, "p1", "solver", 0, group_id, size, [7, 8, 9]) for sid in ids],
+                 segments=[SegmentRow(sid, 0, np.arange(i + 2), -np.linspace(0.1, 0.5, i + 2), 3, "stop")
+                           for i, sid in enumerate(ids)],
+                 rewards=[RewardRow(sid, float(i % 2), bool(i % 2), "ok", str(i)) for i, sid in enumerate(ids)])
+    return ids
+
+
+@pytest.fixture
+def served(store_paths):
+    store = StoreProcess(*store_paths)
+    yield store
+    store.close()
+
+
+def test_a_served_store_reads_and_writes_the_same_lake_as_an_in_process_one(served, store_paths):
+    written_here = _write_group(served, "g1")
+    local = SegmentStore(*store_paths)
+    written_there = _write_group(local, "g2")
+    assert served.pid != os.getpid() and psutil.pid_exists(served.pid)
+    for reader in (served, local):
+        groups = reader.trainable_groups(RUN, "solver")
+        assert sorted(g.group_id for g in groups) == ["g1", "g2"]
+        samples = reader.load_samples(RUN, written_here + written_there)
+        assert samples["g2-2"].token_ids.tolist() == [0, 1, 2, 3]
+        assert np.allclose(samples["g1-1"].logprobs, [-0.1, -0.3, -0.5])
+        assert samples["g1-1"].versions.tolist() == [3, 3, 3]
+        assert samples["g1-1"].reward == 1.0 and samples["g1-1"].parsed == "1"
+    served.commit_step(RUN, 1, {"solver": written_there}, "ckpt/1")
+    assert local.latest_version(RUN) == (1, "ckpt/1")
+    assert [g.group_id for g in local.trainable_groups(RUN, "solver")] == ["g1"]
+    assert served.query("SELECT count(*) AS n FROM consumptions").column("n")[0].as_py() == 3
+    local.close()
+
+
+def test_errors_in_the_child_come_back_with_their_message(served, store_paths):
+    with pytest.raises(StoreError, match=r"table='nope': unknown table"):
+        served.count("nope")
+    with pytest.raises(StoreError, match="unknown sample id"):
+        served.append(RUN, segments=[SegmentRow("ghost", 0, [1], [-0.1], 0, "stop")])
+    with pytest.raises(Exception, match="nonexistent_table"):
+        served.query("SELECT * FROM nonexistent_table")
+    with pytest.raises(AttributeError, match="_con"):
+        served._con
+    assert served.count("samples") == 0  # the child still serves after the errors
+    with pytest.raises(StoreError, match=r"catalog_url='nowhere': expected 'sqlite:<file>'"):
+        StoreProcess("nowhere", store_paths[1])
+
+
+def test_the_child_is_replaced_once_it_has_grown_past_its_budget_and_nothing_is_lost(store_paths):
+    store = StoreProcess(*store_paths, recycle_after_mb=0.001, warmup_calls=1)  # any page of growth after a call
+    first = store.pid
+    written = []
+    for k in range(40):  # DuckDB keeps memory per query (the reason for the child), so this grows
+        written += _write_group(store, f"g{k}", size=2)
+        store.trainable_groups(RUN, "solver")
+        if store.recycled >= 2:
+            break
+    assert store.recycled >= 2, "the child never grew past a 1 KB budget"
+    assert store.pid != first and not psutil.pid_exists(first)
+    assert sorted(store.load_samples(RUN, written)) == sorted(written)
+    assert store.count("samples", RUN) == len(written)
+    store.close()
+
+
+def test_a_child_that_dies_fails_its_call_and_the_next_call_gets_a_new_one(served):
+    _write_group(served, "g1")
+    dead = served.pid
+    os.kill(dead, signal.SIGKILL)
+    with pytest.raises(StoreError, match=rf"store process {dead} .* ended during count\(\)"):
+        served.count("samples", RUN)
+    assert served.count("samples", RUN) == 3 and served.pid != dead
+
+
+def test_a_child_whose_parent_is_killed_exits(store_paths, tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from marsrl_core.store_process import StoreProcess
+        store = StoreProcess({store_paths[0]!r}, {store_paths[1]!r})
+        store.count("samples")
+        print(store.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    child = int(parent.stdout.readline())
+    assert psutil.pid_exists(child)
+    parent.kill()
+    parent.wait()
+    try:
+        psutil.Process(child).wait(timeout=30)
+    except psutil.NoSuchProcess:
+        pass
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_training_processes_serve_the_store_from_a_child_unless_configured_not_to(tmp_path):
+    workers.close_stores()
+    served = workers.store_for(small_config(tmp_path / "a"))
+    local = workers.store_for(small_config(tmp_path / "b", **{"store.separate_process": False}))
+    assert isinstance(served, StoreProcess) and isinstance(local, SegmentStore)
+    child = served.pid
+    workers.close_stores()
+    time.sleep(0.1)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
