@@ -3,7 +3,8 @@
 The rollout process (`marsrl rollout`) decodes problem batches and the learner process (`marsrl learn`)
 trains on them; they meet only through the DuckLake store, as in a split deployment. Every 15 s the
 script samples the resident memory (RSS) of both, with and without their children (each runs
-Prefect's ephemeral API server as a child process). At the deadline it
+Prefect's ephemeral API server as a child process, and its store in another, which is replaced
+whenever it has grown `store.recycle_after_mb`), and of each store process alone. At the deadline it
 writes a `stop_requested` run event: the rollout stops before its next batch and marks the rollouts
 finished, the learner trains on what is left and stops; both record their store lock retries.
 
@@ -14,7 +15,7 @@ keeps the 3 newest checkpoints and logs every 100th to MLflow), the DuckLake com
 the catalog), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
 ducklake_commits, lock_retries, rss_mb, rss_by_kind_mb (resident memory by mapping kind at the first
 learner step and at the end), disk_mb, data_files, poll_ms (a learner poll on the final store),
-errors. The learner compacts the store every `store.compact_every_steps` versions (100 by default).
+store_processes_seen (store process ids seen per parent: 1 + its replacements seen), errors. The learner compacts the store every `store.compact_every_steps` versions (100 by default).
 
 Run: `python benchmarks/soak.py --minutes 10`; `--set KEY=VALUE` (repeatable) overrides a config field in
 both processes, e.g. to compare a store setting.
@@ -45,13 +46,26 @@ RUN = "soak"
 
 
 def rss_mb(pid: int, children: bool = True) -> float:
-    """Resident memory of a process, with its children (Prefect's ephemeral API server) or without."""
+    """Resident memory of a process, with its children (Prefect's ephemeral API server, the store's
+    process) or without."""
     try:
         process = psutil.Process(pid)
         family = [process, *process.children(recursive=True)] if children else [process]
         return sum(p.memory_info().rss for p in family) / 2**20
     except psutil.NoSuchProcess:
         return float("nan")
+
+
+def store_child_rss_mb(pid: int) -> tuple[float, int | None]:
+    """Resident memory of a process's store child (`marsrl_core.store_process`; 0 when the store is
+    in-process), and its pid, so the report can count replacements."""
+    try:
+        for child in psutil.Process(pid).children():
+            if "marsrl_core.store_process" in child.cmdline():
+                return child.memory_info().rss / 2**20, child.pid
+    except psutil.NoSuchProcess:
+        pass
+    return 0.0, None
 
 
 def rss_by_kind(pid: int) -> dict[str, float]:
@@ -115,6 +129,7 @@ def main() -> None:
     start, deadline = time.monotonic(), time.monotonic() + args.minutes * 60
     samples: list[tuple[float, float, float]] = []
     first_step_at, by_kind_start = None, {}
+    store_pids: dict[str, set] = {"rollout": set(), "learner": set()}
     while time.monotonic() < deadline and all(p.poll() is None for p in processes.values()):
         time.sleep(15)
         if store is None and (work / "lake.sqlite").exists():
@@ -122,10 +137,16 @@ def main() -> None:
         if first_step_at is None and store is not None and store.latest_version(RUN) is not None:
             first_step_at = len(samples)
             by_kind_start = {name: rss_by_kind(p.pid) for name, p in processes.items()}
+        (rollout_store, rollout_store_pid), (learner_store, learner_store_pid) = (
+            store_child_rss_mb(rollout.pid), store_child_rss_mb(learner.pid))
+        store_pids["rollout"].add(rollout_store_pid)
+        store_pids["learner"].add(learner_store_pid)
         samples.append((time.monotonic() - start, rss_mb(rollout.pid), rss_mb(learner.pid),
-                        rss_mb(rollout.pid, children=False), rss_mb(learner.pid, children=False)))
-        print(f"{samples[-1][0]:6.0f}s  rss rollout {samples[-1][1]:7.1f} MB ({samples[-1][3]:7.1f} without children)"
-              f"  learner {samples[-1][2]:7.1f} MB ({samples[-1][4]:7.1f})", flush=True)
+                        rss_mb(rollout.pid, children=False), rss_mb(learner.pid, children=False),
+                        rollout_store, learner_store))
+        print(f"{samples[-1][0]:6.0f}s  rss rollout {samples[-1][1]:7.1f} MB ({samples[-1][3]:7.1f} without children,"
+              f" store {rollout_store:5.1f})  learner {samples[-1][2]:7.1f} MB ({samples[-1][4]:7.1f},"
+              f" store {learner_store:5.1f})", flush=True)
     by_kind_end = {name: rss_by_kind(p.pid) for name, p in processes.items()}
     errors = [f"{name} exited early with status {p.returncode}" for name, p in processes.items() if p.poll() is not None]
     store = store or SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"], create=False)
@@ -166,7 +187,9 @@ def main() -> None:
 
     rss = {name: {"start": steady[0][i], "end": steady[-1][i], "growth": steady[-1][i] - steady[0][i],
                   "mb_per_min_second_half": per_minute(half, i)}
-           for i, name in ((1, "rollout"), (2, "learner"), (3, "rollout (no children)"), (4, "learner (no children)"))}
+           for i, name in ((1, "rollout"), (2, "learner"), (3, "rollout (no children)"), (4, "learner (no children)"),
+                           (5, "rollout's store process"), (6, "learner's store process"))}
+    store_processes = {name: len(pids - {None}) for name, pids in store_pids.items()}
     poll_s = []
     for _ in range(5):  # what the learner's poll costs on the run's final store
         t0 = time.perf_counter()
@@ -181,7 +204,7 @@ def main() -> None:
     figures = {"duration_s": duration, "rows": rows, "versions": versions[0] if versions else 0,
                "ducklake_commits": commits, "lock_retries": retries, "rss_mb": rss, "disk_mb": disk_mb,
                "rss_by_kind_mb": {"start": by_kind_start, "end": by_kind_end}, "data_files": data_files,
-               "poll_ms": poll_ms, "errors": errors, "samples": samples}
+               "poll_ms": poll_ms, "store_processes_seen": store_processes, "errors": errors, "samples": samples}
     print_rows("soak: store rows", ["table", "rows"], [[t, n] for t, n in rows.items()])
     print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB",
                                    "MB/min, 2nd half", "lock retries"],
@@ -194,6 +217,7 @@ def main() -> None:
     print(f"DuckLake commits (snapshot ids in the catalog, both processes): {commits}, "
           f"{commits / duration:.1f} a second; "
           f"the learner commits once per policy version, the rollout most of the rest")
+    print(f"store processes seen (a new pid is a replacement), by parent: {store_processes}")
     print(f"at the end: {data_files} Parquet data files, a learner poll (trainable groups of all agents) "
           f"{poll_ms:.0f} ms (median of 5)")
     print(f"duration {duration:.0f} s, policy versions {figures['versions']}, disk {disk_mb:.0f} MB "

@@ -12,7 +12,9 @@ each), and `append_compacted` (the same,
 with `compact()` every 250 appends, as `marsrl compact` or the maintenance flow would), and
 `append_reopened` (the same appends, the store closed and reopened every 300 calls, which empties
 DuckDB's object cache), and `duckdb_join` (no store: a join of two 20,000-row tables in a plain
-in-memory DuckDB, the base case). Growth is RSS
+in-memory DuckDB, the base case), and `trainable_groups_served` and `append_served` (the poll and the
+append through `StoreProcess`, the store in a child process replaced when it has grown 64 MB, as the
+training processes run it: the caller's growth, and the child's size and replacements). Growth is RSS
 after the last call minus RSS after the first 250 (past warm-up), per call. Beside RSS, each variant
 reports the growth of live `malloc` memory (glibc's `mallinfo2`, what C++ `new` in DuckDB and
 DuckLake allocates) and of DuckDB's own jemalloc (its resident bytes, read through the exported
@@ -24,7 +26,9 @@ Run: `python benchmarks/store_memory.py` (`--only append,append_reopened` runs s
 Writes benchmarks/results/store_memory.json with, per variant, rss_start_mb, rss_end_mb,
 kb_per_operation, malloc_in_use_kb_per_operation, duckdb_allocator_resident_kb_per_operation, and object_cache_mb and object_cache_kb_per_operation
 (DuckDB's object cache, by its own estimate, at the end and its growth per call; DuckLake keeps each
-table's statistics there per snapshot). Each variant runs in its own process.
+table's statistics there per snapshot), ms_per_operation (wall clock, side by side in one run), and
+for the served variants store_process_rss_end_mb and store_process_replacements. Each variant runs in
+its own process.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from benchmarks.common import print_rows, write_results  # noqa: E402
 
 CALLS, WARMUP = 2000, 250
 VARIANTS = ("select_1", "lake_count", "lake_count_unfiltered", "lake_count_int_filter", "lake_count_unpushed_filter",
-            "trainable_groups", "append", "append_compacted", "append_reopened", "duckdb_join")
+            "trainable_groups", "append", "append_compacted", "append_reopened", "duckdb_join",
+            "trainable_groups_served", "append_served")
 REOPEN_EVERY = 300
 
 
@@ -92,13 +97,16 @@ def duckdb_allocator_resident_mb() -> float:
 
 
 def measure(variant: str) -> dict[str, float]:
+    import time
+
     import psutil
 
     from marsrl_core.store import SampleRow, SegmentStore
+    from marsrl_core.store_process import StoreProcess
 
     with tempfile.TemporaryDirectory() as tmp:
         paths = (f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
-        store = SegmentStore(*paths)
+        store = StoreProcess(*paths) if variant.endswith("_served") else SegmentStore(*paths)
         for b in range(30):
             rows = [SampleRow(uuid.uuid4().hex, f"b{b}", "solver", 0, f"g{b}-{i // 16}", 16, [1, 2, 3])
                     for i in range(64)]
@@ -134,15 +142,24 @@ def measure(variant: str) -> dict[str, float]:
             "append_compacted": append,
             "append_reopened": append,
         }
-        process, rss, cache, in_use, jemalloc = psutil.Process(), {}, {}, {}, {}
+        operations["trainable_groups_served"] = operations["trainable_groups"]
+        operations["append_served"] = append
+        process, rss, cache, in_use, jemalloc, clock = psutil.Process(), {}, {}, {}, {}, {}
         for call in range(1, CALLS + 1):
             operations[variant](call)
             if call in (WARMUP, CALLS):
+                clock[call] = time.perf_counter()
                 gc.collect()
                 rss[call], cache[call] = process.memory_info().rss / 2**20, object_cache_mb()
                 in_use[call], jemalloc[call] = malloc_in_use_mb(), duckdb_allocator_resident_mb()
+        served = isinstance(store, StoreProcess)
+        child_mb = psutil.Process(store.pid).memory_info().rss / 2**20 if served and store.pid else float("nan")
+        replacements = store.recycled if served else 0
+        store.close()
     per_call = 1024 / (CALLS - WARMUP)
-    return {"rss_start_mb": rss[WARMUP], "rss_end_mb": rss[CALLS],
+    return {"ms_per_operation": 1000 * (clock[CALLS] - clock[WARMUP]) / (CALLS - WARMUP),
+            "store_process_rss_end_mb": child_mb, "store_process_replacements": replacements,
+            "rss_start_mb": rss[WARMUP], "rss_end_mb": rss[CALLS],
             "kb_per_operation": (rss[CALLS] - rss[WARMUP]) * per_call,
             "malloc_in_use_kb_per_operation": (in_use[CALLS] - in_use[WARMUP]) * per_call,
             "duckdb_allocator_resident_kb_per_operation": (jemalloc[CALLS] - jemalloc[WARMUP]) * per_call,
@@ -174,10 +191,12 @@ def main() -> None:
         figures[variant] = json.loads(out)
     print_rows(f"Memory growth over {CALLS - WARMUP} repeated operations", ["operation", "RSS after warm-up MB",
                "RSS at end MB", "RSS KB per operation", "live malloc KB per operation",
-               "DuckDB jemalloc resident KB per operation", "object cache MB", "object cache KB per operation"],
+               "DuckDB jemalloc resident KB per operation", "object cache MB", "object cache KB per operation",
+               "ms per operation", "store process MB at end", "store process replacements"],
                [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_operation"], f["malloc_in_use_kb_per_operation"],
                  f["duckdb_allocator_resident_kb_per_operation"], f["object_cache_mb"],
-                 f["object_cache_kb_per_operation"]] for v, f in figures.items()])
+                 f["object_cache_kb_per_operation"], f["ms_per_operation"], f["store_process_rss_end_mb"],
+                 f["store_process_replacements"]] for v, f in figures.items()])
     print(f"written to {write_results('store_memory', figures)}")
 
 
