@@ -228,7 +228,7 @@ class StoreConfig(_Section):
     recycle_after_mb: float = Field(
         64.0, gt=0, description="With `separate_process`, the store's child process is replaced (between calls; "
         "the replacement starts at once) when its resident memory has grown this many MB past what it had after "
-        "its first call. Bounds the store's memory; a replacement costs about a second of a background "
+        "its first 100 calls. Bounds the store's memory; a replacement costs about a second of a background "
         "start.")
 
 

@@ -11,7 +11,8 @@ exits.
 `StoreProcess` offers the public methods of `SegmentStore`. Each call is sent over a socket pair to a
 child process (`python -m marsrl_core.store_process`, which imports DuckDB and the store, nothing
 else), run there on a `SegmentStore`, and its result, or its exception, is sent back. With each reply
-the child reports its resident memory. Its size after its first `warmup_calls` calls (100) is its
+the child reports its resident memory as it was before that call (the previous call's result freed,
+this one's not yet made, so a large read is not taken for growth). Its size after its first `warmup_calls` calls (100) is its
 baseline: counted from the first call instead, a 12-minute soak replaced the learner's child every
 45 s for its warm-up alone (about 60 MB). Once the child has grown `recycle_after_mb` past the
 baseline, it is told to close between calls and a replacement is started at once, so it imports and
@@ -35,6 +36,7 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from marsrl_core.store import SegmentStore, StoreError
@@ -69,6 +71,7 @@ class StoreProcess:
         self._child: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self._opening = False  # the child's open reply is still to be read
+        self._closed = False
         self._calls = 0  # calls the current child has answered
         self._baseline_kb: int | None = None  # its resident memory after `warmup_calls` calls
         self._last_status: int | None = None
@@ -90,7 +93,7 @@ class StoreProcess:
 
     @property
     def pid(self) -> int | None:
-        """The serving child's process id (None between a recycle and the next start)."""
+        """The serving child's process id (None after a child ended until the next call starts one)."""
         return self._child.pid if self._child is not None else None
 
     def __getattr__(self, name: str) -> Any:
@@ -106,6 +109,7 @@ class StoreProcess:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._child is not None:
                 self._stop(_CLOSE)
 
@@ -114,37 +118,55 @@ class StoreProcess:
         """Start a child and send it the open request; its reply is read by the next call."""
         ours, theirs = socket.socketpair()
         try:
-            self._child = subprocess.Popen([sys.executable, "-m", "marsrl_core.store_process", str(theirs.fileno())],
-                                           pass_fds=(theirs.fileno(),))
+            child = subprocess.Popen([sys.executable, "-m", "marsrl_core.store_process", str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),))
+        except OSError as err:
+            ours.close()
+            raise StoreError(f"catalog {self.catalog_url!r}: cannot start the store process ({err})") from None
         finally:
             theirs.close()
-        self._conn = Connection(ours.detach())
-        self._conn.send((_OPEN, (), self._store_kwargs))
+        self._child, self._conn = child, Connection(ours.detach())
         self._opening = True
         self._child_lock_retries = 0
         self._calls, self._baseline_kb = 0, None
+        self._exchange(_OPEN, (), self._store_kwargs, receive=False)
 
     def _finish_opening(self) -> None:
+        status, value, _, _ = self._exchange(_OPEN, (), {}, send=False)
         self._opening = False
-        status, value, _, _ = self._receive(_OPEN)
         if status == "error":
             self._stop(None)
             raise value
 
-    def _receive(self, method: str) -> tuple[str, Any, int, int]:
+    def _exchange(self, method: str, args: tuple, kwargs: dict, send: bool = True,
+                  receive: bool = True) -> tuple[str, Any, int, int] | None:
+        """Send a request and/or read its reply. If the child has gone, or the caller is interrupted
+        between the two (a KeyboardInterrupt, a termination signal), the child is ended: a reply left
+        in the socket would otherwise answer the next call."""
+        if send:
+            try:
+                payload = ForkingPickler.dumps((method, args, kwargs))
+            except Exception as err:  # nothing was sent: the child serves on
+                raise StoreError(f"{method}(): its arguments cannot be sent to the store process ({err})") from None
         try:
-            return self._conn.recv()
+            if send:
+                self._conn.send_bytes(payload)
+            return self._conn.recv() if receive else None
         except (EOFError, OSError):
             pid = self._child.pid
             self._stop(None)
             raise StoreError(f"store process {pid} for catalog {self.catalog_url!r} ended during {method}() "
                              f"(exit status {self._last_status}); a write in it may or may not have committed; "
                              "the next call starts a new one") from None
+        except BaseException:
+            self._stop(None, kill=True)
+            raise
 
-    def _stop(self, request: str | None) -> None:
-        """Ask the child to close its store (`request`), or just hang up, and reap it."""
+    def _stop(self, request: str | None, kill: bool = False) -> None:
+        """Ask the child to close its store (`request`), or just hang up (or kill it), and reap it."""
         child, conn = self._child, self._conn
         self._child = self._conn = None
+        self._opening = False
         self._closed_lock_retries += self._child_lock_retries
         self._child_lock_retries = 0
         try:
@@ -153,6 +175,8 @@ class StoreProcess:
         except OSError:
             pass
         conn.close()
+        if kill:
+            child.kill()
         try:
             self._last_status = child.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -161,25 +185,32 @@ class StoreProcess:
 
     def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
         with self._lock:
+            if self._closed:
+                raise StoreError(f"catalog {self.catalog_url!r}: {method}() on a closed store")
             if self._child is None:
                 self._start()
             if self._opening:
                 self._finish_opening()
-            try:
-                self._conn.send((method, args, kwargs))
-            except OSError:
-                pass  # the child has gone; _receive says so
-            status, value, self._child_lock_retries, child_kb = self._receive(method)
+            status, value, self._child_lock_retries, child_kb = self._exchange(method, args, kwargs)
             self._calls += 1
             if self._calls == self.warmup_calls:
                 self._baseline_kb = child_kb
             elif self._baseline_kb is not None and child_kb - self._baseline_kb > self.recycle_after_mb * 1024:
-                self._stop(_CLOSE)
-                self.recycled += 1
-                self._start()  # the replacement imports and attaches while the caller works
+                self._recycle()
             if status == "error":
                 raise value
             return value
+
+    def _recycle(self) -> None:
+        """Replace the child between calls; the call that triggered it has its answer already, so a
+        replacement that fails to start is left for the next call to start (and report)."""
+        self._stop(_CLOSE)
+        self.recycled += 1
+        try:
+            self._start()  # the replacement imports and attaches while the caller works
+        except StoreError:
+            if self._child is not None:
+                self._stop(None)
 
 
 # ---------------------------------------------------------------------- the child
@@ -206,21 +237,26 @@ def serve(conn: Connection) -> None:
             break
         if method == _CLOSE:
             break
+        size_kb = resident_kb()  # before the call: the previous call's result is freed, this one's not made
+        result: Any = None
         try:
             if method == _OPEN:
                 store = SegmentStore(**kwargs)
-                result: Any = None
+            elif store is None:
+                raise StoreError(f"{method}() before the store process opened its store")
             else:
                 result = getattr(store, method)(*args, **kwargs)
             reply = ("ok", result)
         except Exception as err:
             reply = ("error", _sendable(err))
+        del result
         try:
-            conn.send((*reply, store.lock_retries if store else 0, resident_kb()))
+            conn.send((*reply, store.lock_retries if store else 0, size_kb))
         except (OSError, EOFError):
             break
         except Exception as err:  # a result that does not pickle
-            conn.send(("error", _sendable(err), store.lock_retries if store else 0, resident_kb()))
+            conn.send(("error", _sendable(err), store.lock_retries if store else 0, size_kb))
+        del reply
     if store is not None:
         store.close()
 

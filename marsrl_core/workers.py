@@ -52,11 +52,14 @@ def store_for(cfg: MarsRLConfig) -> SegmentStore | StoreProcess:
 
 
 def close_stores() -> None:
-    """Close the process's stores (and their child processes); the next `store_for` opens afresh."""
+    """Close the process's stores (and their child processes) and forget the learners that use them;
+    the next `store_for` opens afresh."""
     with _lock:
-        for store in _stores.values():
-            store.close()
+        stores = list(_stores.values())
         _stores.clear()
+        _learners.clear()
+        for store in stores:
+            store.close()
 
 
 def engine_for(cfg: MarsRLConfig, agent: str = "policy") -> BatchingEngine:

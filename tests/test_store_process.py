@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import psutil
@@ -73,12 +74,13 @@ def test_errors_in_the_child_come_back_with_their_message(served, store_paths):
 
 
 def test_the_child_is_replaced_once_it_has_grown_past_its_budget_and_nothing_is_lost(store_paths):
-    store = StoreProcess(*store_paths, recycle_after_mb=0.001, warmup_calls=1)  # any page of growth after a call
+    store = StoreProcess(*store_paths, recycle_after_mb=0.001, warmup_calls=5)  # a page of growth after 5 calls
     first = store.pid
     written = []
-    for k in range(40):  # DuckDB keeps memory per query (the reason for the child), so this grows
+    for k in range(60):  # DuckDB keeps memory per query (the reason for the child), so this grows
         written += _write_group(store, f"g{k}", size=2)
         store.trainable_groups(RUN, "solver")
+        assert store.recycled == 0 or k >= 2, "replaced during its warm-up"
         if store.recycled >= 2:
             break
     assert store.recycled >= 2, "the child never grew past a 1 KB budget"
@@ -95,6 +97,50 @@ def test_a_child_that_dies_fails_its_call_and_the_next_call_gets_a_new_one(serve
     with pytest.raises(StoreError, match=rf"store process {dead} .* ended during count\(\)"):
         served.count("samples", RUN)
     assert served.count("samples", RUN) == 3 and served.pid != dead
+
+
+def test_threads_sharing_a_served_store_each_get_their_own_answers(served):
+    def work(t: int) -> list[tuple[int, int]]:
+        seen = []
+        for k in range(5):
+            ids = _write_group(served, f"t{t}-g{k}", size=2)
+            seen.append((len(served.load_samples(RUN, ids)), served.count("samples", RUN)))
+        return seen
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, range(4)))
+    assert all(loaded == 2 and 2 <= total <= 40 for seen in results for loaded, total in seen)
+    assert served.count("samples", RUN) == 40
+
+
+def test_an_interrupted_call_ends_its_child_so_no_later_call_reads_its_reply(served):
+    _write_group(served, "g1")
+    interrupted = served.pid
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            served.query("SELECT sum(i) AS s FROM range(100000000000) t(i)")  # minutes of work
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not psutil.pid_exists(interrupted) or psutil.Process(interrupted).status() == psutil.STATUS_ZOMBIE
+    assert served.latest_version(RUN) is None and served.count("samples", RUN) == 3
+    assert served.pid != interrupted
+
+
+def test_unsendable_arguments_and_calls_after_close_fail_clearly(served):
+    pid = served.pid
+    with pytest.raises(StoreError, match=r"mark\(\): its arguments cannot be sent"):
+        served.mark(RUN, "event", detail=lambda: None)
+    assert served.count("samples", RUN) == 0 and served.pid == pid  # the child serves on
+    served.close()
+    with pytest.raises(StoreError, match=r"count\(\) on a closed store"):
+        served.count("samples", RUN)
 
 
 def test_a_child_whose_parent_is_killed_exits(store_paths, tmp_path):
