@@ -15,7 +15,8 @@ keeps the 3 newest checkpoints and logs every 100th to MLflow), the DuckLake com
 the catalog), and any error. Writes benchmarks/results/soak.json with duration_s, rows, versions,
 ducklake_commits, lock_retries, rss_mb, rss_by_kind_mb (resident memory by mapping kind at the first
 learner step and at the end), disk_mb, data_files, poll_ms (a learner poll on the final store),
-store_processes_seen (store process ids seen per parent: 1 + its replacements seen), errors. The learner compacts the store every `store.compact_every_steps` versions (100 by default).
+store_processes_seen (store process ids seen per parent: 1 + its replacements seen),
+rss_mean_by_quarter_mb (mean RSS in each quarter of the run, per process and store process), errors. The learner compacts the store every `store.compact_every_steps` versions (100 by default).
 
 Run: `python benchmarks/soak.py --minutes 10`; `--set KEY=VALUE` (repeatable) overrides a config field in
 both processes, e.g. to compare a store setting.
@@ -190,6 +191,10 @@ def main() -> None:
            for i, name in ((1, "rollout"), (2, "learner"), (3, "rollout (no children)"), (4, "learner (no children)"),
                            (5, "rollout's store process"), (6, "learner's store process"))}
     store_processes = {name: len(pids - {None}) for name, pids in store_pids.items()}
+    quarters = [samples[k * len(samples) // 4:(k + 1) * len(samples) // 4] for k in range(4)]
+    quarter_means = {name: [sum(row[i] for row in q) / len(q) if q else float("nan") for q in quarters]
+                     for i, name in ((3, "rollout (no children)"), (4, "learner (no children)"),
+                                     (5, "rollout's store process"), (6, "learner's store process"))}
     poll_s = []
     for _ in range(5):  # what the learner's poll costs on the run's final store
         t0 = time.perf_counter()
@@ -204,7 +209,8 @@ def main() -> None:
     figures = {"duration_s": duration, "rows": rows, "versions": versions[0] if versions else 0,
                "ducklake_commits": commits, "lock_retries": retries, "rss_mb": rss, "disk_mb": disk_mb,
                "rss_by_kind_mb": {"start": by_kind_start, "end": by_kind_end}, "data_files": data_files,
-               "poll_ms": poll_ms, "store_processes_seen": store_processes, "errors": errors, "samples": samples}
+               "poll_ms": poll_ms, "store_processes_seen": store_processes,
+               "rss_mean_by_quarter_mb": quarter_means, "errors": errors, "samples": samples}
     print_rows("soak: store rows", ["table", "rows"], [[t, n] for t, n in rows.items()])
     print_rows("soak: processes", ["process", "RSS start MB", "RSS end MB", "growth MB",
                                    "MB/min, 2nd half", "lock retries"],
@@ -217,6 +223,9 @@ def main() -> None:
     print(f"DuckLake commits (snapshot ids in the catalog, both processes): {commits}, "
           f"{commits / duration:.1f} a second; "
           f"the learner commits once per policy version, the rollout most of the rest")
+    print_rows("soak: mean resident memory in each quarter of the run (MB; a slope over 15 s samples is "
+               "rough when decoding swings the rollout's by ±50 MB)", ["process", "1st", "2nd", "3rd", "4th"],
+               [[name, *means] for name, means in quarter_means.items()])
     print(f"store processes seen (a new pid is a replacement), by parent: {store_processes}")
     print(f"at the end: {data_files} Parquet data files, a learner poll (trainable groups of all agents) "
           f"{poll_ms:.0f} ms (median of 5)")
