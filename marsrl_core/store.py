@@ -696,7 +696,8 @@ class SegmentStore:
 
     def compact(self, retention_s: float = 0.0) -> dict[str, int]:
         """Merge small Parquet files, expire snapshots older than `retention_s` seconds and delete the files
-        that nothing unexpired needs once they have been unneeded that long.
+        that nothing unexpired needs once they have been unneeded that long, and the files no commit ever
+        referenced (a failed merge's output) once they are that old.
 
         Safe beside live writers and readers when `retention_s` exceeds the longest query: merging keeps
         every snapshot readable (a snapshot can refer to part of a merged file), and a file replaced by a
@@ -739,7 +740,32 @@ class SegmentStore:
             call(f"CALL ducklake_expire_snapshots('{CATALOG}', versions => {[int(v) for v in expired]})")
         deleted = self._delete_replaced_files(retention_s, call)
         return {"files_before": before, "files_after": self.data_file_count(), "snapshots_expired": len(expired),
-                "files_deleted": deleted}
+                "files_deleted": deleted, "orphans_deleted": self._delete_orphaned_files(retention_s)}
+
+    def _delete_orphaned_files(self, retention_s: float) -> int:
+        """Delete the Parquet files of a local data path that the catalog does not know, once they are
+        `retention_s` old. A merge whose commit fails (DuckLake's aborted transaction, retried above)
+        leaves its output files behind: 313 files, 542 MB, in a 25-minute soak, against 21 MB of live
+        data. A writer's file is unknown until its commit, seconds later, so younger files stay; the
+        files are listed before the catalog is read, so one committed in between is known. Remote data
+        paths are left alone (DuckLake's `ducklake_delete_orphaned_files` has the same `older_than`)."""
+        if "://" in self.data_path:
+            return 0
+        horizon = time.time() - retention_s
+        on_disk = list(Path(self.data_path).resolve().rglob("*.parquet"))
+        meta = f"__ducklake_metadata_{CATALOG}"
+        known = {Path(p).name for p in self._read(
+            f"""SELECT path FROM {meta}.ducklake_data_file UNION ALL SELECT path FROM {meta}.ducklake_delete_file
+                UNION ALL SELECT path FROM {meta}.ducklake_files_scheduled_for_deletion""").column("path").to_pylist()}
+        deleted = 0
+        for path in on_disk:
+            try:
+                if path.name not in known and path.stat().st_mtime < horizon:
+                    path.unlink()
+                    deleted += 1
+            except FileNotFoundError:  # deleted meanwhile by a cleanup elsewhere
+                pass
+        return deleted
 
     def _delete_replaced_files(self, retention_s: float, call: Callable[[str], list]) -> int:
         """Delete the data files DuckLake scheduled for deletion (replaced by a merge, or needed only by

@@ -229,6 +229,31 @@ def test_compaction_keeps_replaced_files_for_the_retention_then_deletes_them(sto
     assert store.count("samples", RUN) == 160 and len(_parquet_files(data)) == store.data_file_count()
 
 
+def test_compaction_deletes_files_no_commit_referenced_once_they_are_old(store_paths):
+    """A merge whose commit failed leaves its output behind; compaction deletes such orphans past the
+    retention and keeps younger ones (a writer's file is unknown until it commits)."""
+    import os
+    import shutil
+    import time
+    from pathlib import Path
+
+    catalog, data = store_paths
+    store = SegmentStore(catalog, data)
+    for g in range(3):
+        store.append(RUN, samples=[SampleRow(f"g{g}-{i}", "p", "solver", 0, f"g{g}", 20, [1]) for i in range(20)])
+    live = Path(sorted(_parquet_files(data))[0])
+    old, young = live.parent / "ducklake-orphan-old.parquet", live.parent / "ducklake-orphan-young.parquet"
+    shutil.copy(live, old)
+    shutil.copy(live, young)
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    result = store.compact(retention_s=600)
+    assert result["orphans_deleted"] == 1 and not old.exists() and young.exists()
+    assert store.count("samples", RUN) == 60  # the live files (merged or not) are untouched
+    store.compact(retention_s=0)  # nothing else writes: every unknown file goes
+    assert not young.exists() and len(_parquet_files(data)) == store.data_file_count()
+    assert store.count("samples", RUN) == 60
+
+
 def test_sample_ids_are_known_per_run(store):
     ids = _group(store, "g")
     with pytest.raises(StoreError, match="unknown sample id.*'other-run'"):

@@ -100,3 +100,8 @@ def test_compaction_while_a_writer_and_a_reader_process_run_loses_nothing(store_
     assert store.count("segments", RUN) == store.count("samples", RUN) == written["segments"] > 0
     assert store.count("consumptions", RUN) == read["consumed"] > 0
     assert store.latest_version(RUN)[0] == read["steps"]
+    # With the writer and reader gone, compaction leaves only the files the catalog knows: none that a
+    # failed (retried) merge wrote and no commit referenced.
+    maintainer.compact(retention_s=0)
+    assert len(list(Path(data).rglob("*.parquet"))) == maintainer.data_file_count()
+    assert store.count("segments", RUN) == written["segments"]
