@@ -14,7 +14,9 @@ from tests.configs import process_config_file
 
 @pytest.mark.slow
 def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
-    path = process_config_file(tmp_path, "split", data={"num_batches": 6},
+    # 12 batches: enough decoding after the learner's first step (each process also starts its store's
+    # child process) that the rollout picks a newer version up; with 6, one CI run ended before it.
+    path = process_config_file(tmp_path, "split", data={"num_batches": 12},
                                learner={"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3, "warmup_steps": 0})
     # Each process runs Prefect in ephemeral mode with its own database (two processes writing one
     # ephemeral SQLite database lock each other out; a shared deployment uses a Prefect server instead).
@@ -31,7 +33,7 @@ def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
     assert learner.returncode == 0, out[-3000:]
     store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
     assert store.latest_version("split")[0] == 3  # versions advanced to the step budget
-    assert store.count("problems", "split") == 12 and store.count("rewards", "split") == store.count("samples", "split")
+    assert store.count("problems", "split") == 24 and store.count("rewards", "split") == store.count("samples", "split")
     twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
     assert twice.column("n")[0].as_py() == 0
     # Every committed checkpoint is whole, and segments were decoded under more than one version only if the
