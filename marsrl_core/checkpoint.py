@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from marsrl_core.faults import crash_point
 
@@ -98,14 +98,14 @@ def _fsync_tree(folder: Path) -> None:
 def load_checkpoint(folder: Path, models: dict[str, Any], optimizers: dict[str, torch.optim.Optimizer],
                     schedulers: dict[str, Any]) -> int:
     """Restore weights, optimizers, schedulers and RNG from `folder`; returns the step."""
-    from marsrl_core.engines.hf import load_safetensors_state
+    from marsrl_core.engines.hf import load_safetensors_state, read_safetensors
 
     folder = Path(folder)
     if not (folder / STATE_JSON).is_file() or not (folder / STATE_TENSORS).is_file():
         raise CheckpointError(f"checkpoint {str(folder)!r}: incomplete (no trainer state)")
     try:
         meta = json.loads((folder / STATE_JSON).read_text())
-        tensors = load_file(str(folder / STATE_TENSORS))
+        tensors = read_safetensors(folder / STATE_TENSORS)
     except Exception as err:
         raise CheckpointError(f"checkpoint {str(folder)!r}: trainer state cannot be read ({err})") from None
     for name, model in models.items():

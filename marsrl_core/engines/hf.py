@@ -10,7 +10,9 @@ temperature (T = 1 for greedy), i.e. the behaviour policy before top-k/top-p tru
 scores tokens the same way, so on-policy ratios are exactly 1.
 
 Weights are updated in place (`update_weights(version, state_dict or checkpoint folder)`); a
-checkpoint is read from safetensors only, never from pickle.
+checkpoint is read from safetensors only, never from pickle, and with `pread` rather than safetensors'
+default mmap: safetensors 0.8.0's mmap path keeps about 1.2 KB of Python objects alive per file opened,
+which a rollout reloading weights at every policy version accumulates (`tests/test_engine_hf.py`).
 
 Deliberate simplifications: no paged attention or continuous batching (that is vLLM's job); the cache
 is rebuilt at every segment (the prefix is re-encoded once per segment, not per token).
@@ -60,10 +62,15 @@ def load_safetensors_state(folder: str | Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in _safetensors_files(folder):
         try:
-            state.update(load_file(str(path)))
+            state.update(read_safetensors(path))
         except Exception as err:  # a truncated or corrupt file
             raise EngineError(f"checkpoint file {str(path)!r}: cannot be read ({err})") from None
     return state
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, read with pread (see the module docstring: no per-call leak)."""
+    return load_file(str(path), backend="pread")
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
