@@ -248,6 +248,10 @@ class MarsRLConfig(_Section):
     run_name: str = Field("marsrl", description="Name of the run (store rows and MLflow run).")
     seed: int = Field(0, description="Global random seed.")
     output_dir: str = Field("marsrl", description="Folder for checkpoints, caches and the default store.")
+    malloc_trim_every_s: float | None = Field(
+        60.0, gt=0, description="Seconds between returns of the C allocator's free memory to the OS in a worker process "
+        "(rollout, learner, train: glibc's malloc_trim from a background thread, see marsrl_core/native_memory.py); "
+        "None disables.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The generation engine.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Grouped agentic rollouts and segments.")

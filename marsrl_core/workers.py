@@ -1,7 +1,9 @@
 """Process-level work units that orchestration (Prefect tasks, the CLI) calls: one call each.
 
 A worker process keeps one store connection, one engine (wrapped in a `BatchingEngine` so that
-concurrent rollout tasks share segment batches) and one learner, created on first use. Rollout and
+concurrent rollout tasks share segment batches) and one learner, created on first use; with its
+first store it starts a `MemoryTrimmer` (every `malloc_trim_every_s` of that first config), so that a
+long-running worker gives its allocator's free memory back. Rollout and
 learner meet only through the store and the checkpoint files: an engine picks up a newer committed
 version from the store (its checkpoint folder) at stage boundaries, so rollout and learner can live
 in different processes or machines.
@@ -28,6 +30,7 @@ import transformers  # noqa: F401  (imported here, once: lazy imports from sever
 from marsrl_core import policy, tiny  # noqa: F401
 from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.engines.batching import BatchingEngine
+from marsrl_core.native_memory import MemoryTrimmer
 from marsrl_core.problems import LoadedProblems, Problem, load_problems
 from marsrl_core.roles import Roles
 from marsrl_core.rollout import RolloutScheduler
@@ -39,12 +42,16 @@ _lock = threading.RLock()
 _stores: dict[tuple[str, str], SegmentStore | StoreProcess] = {}
 _engines: dict[tuple[str, str], BatchingEngine] = {}
 _learners: dict[str, Any] = {}
+_trimmer: MemoryTrimmer | None = None
 
 
 def store_for(cfg: MarsRLConfig) -> SegmentStore | StoreProcess:
     """The process's store: in a child process of its own unless `store.separate_process` is off."""
+    global _trimmer
     key = (cfg.store.catalog_url, cfg.store.data_path)
     with _lock:
+        if _trimmer is None and cfg.malloc_trim_every_s is not None:
+            _trimmer = MemoryTrimmer(cfg.malloc_trim_every_s)
         if key not in _stores:
             kind = StoreProcess if cfg.store.separate_process else SegmentStore
             _stores[key] = kind.from_config(cfg.store)
