@@ -140,34 +140,40 @@ def _decode_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> list[d
     return results
 
 
-def _rollout_subflow(config: MarsRLConfig, run_id: str, batch_index: int) -> list[dict[str, int]] | None:
+def _rollout_subflow(config: MarsRLConfig, run_id: str, batch_index: int) -> int | None:
+    """The batch's rollout flow as a subflow; the rollout stages it ran (None: it did not decode).
+
+    Called for its state: a subflow called for its value registers that value in the calling flow's
+    context (`run_results`, for dependency tracking), and a long-running calling flow would keep
+    one entry per batch, each with a copy of the subflow's state, for as long as it runs."""
     with parent_heartbeat_only():
-        return rollout_flow(config, run_id, batch_index)
+        turns = rollout_flow(config, run_id, batch_index, return_state=True).result()
+    return None if turns is None else sum(turn["stages"] for turn in turns)
 
 
 def keep_in_flight(items: Iterable[T], limit: int, submit: Callable[[T], Any],
-                   stop: Callable[[], bool] = lambda: False) -> list[Any]:
+                   stop: Callable[[], bool] = lambda: False) -> Iterator[Any]:
     """`submit(item)` for each item in order, at most `limit` unfinished at a time; the oldest is awaited
     (`.result()` of the future `submit` returned) before the next starts. `stop` is asked before each new
-    item; once it says so, those running finish and no more start. Returns the finished items' results, in
-    order."""
-    pending, running, finished = list(items), [], []
+    item; once it says so, those running finish and no more start. Yields the finished items' results,
+    in order, as they finish (a run of any length keeps none of them)."""
+    pending, running = list(items), []
     while pending or running:
         if pending and stop():
             pending.clear()
         while pending and len(running) < limit:
             running.append(submit(pending.pop(0)))
         if running:
-            finished.append(running.pop(0).result())
-    return finished
+            yield running.pop(0).result()
 
 
 def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
-                stop: Callable[[], bool] = lambda: False) -> list[list[dict[str, int]]]:
+                stop: Callable[[], bool] = lambda: False) -> dict[str, int]:
     """Rollout flows for `batches`, in order, as subflows of the calling flow (each in a thread of its
     own): `rollout.batches_in_flight` of them decoding at a time and `PREPARED_AHEAD` more set up and
-    waiting for a decode slot; see `keep_in_flight` and `DecodeSlots`. Returns each decoded batch's
-    turn results, in order (a batch prepared ahead that a stop request kept from decoding has none)."""
+    waiting for a decode slot; see `keep_in_flight` and `DecodeSlots`. Returns how many batches decoded
+    and the rollout stages they ran (a batch prepared ahead that a stop request kept from decoding
+    does not count)."""
     limit = config.rollout.batches_in_flight
 
     def submit(batch: int) -> Future:
@@ -179,9 +185,13 @@ def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
         slots.wait_until_started(batch, future)
         return future
 
+    done = {"batches": 0, "stages": 0}
     with DecodeSlots.open(run_id, limit, stop) as slots, ThreadPoolExecutor(limit + PREPARED_AHEAD) as pool:
-        results = keep_in_flight(batches, limit + PREPARED_AHEAD, submit, stop)
-    return [r for r in results if r is not None]
+        for stages in keep_in_flight(batches, limit + PREPARED_AHEAD, submit, stop):
+            if stages is not None:
+                done["batches"] += 1
+                done["stages"] += stages
+    return done
 
 
 @flow(name="rollouts", log_prints=True)
@@ -196,7 +206,7 @@ def rollouts_flow(config: MarsRLConfig = default_config(), run_id: str = "manual
     store = workers.store_for(config)
     workers.start_run(config, run_id)
     todo = batches if batches is not None else range(config.data.num_batches)
-    results = run_batches(config, run_id, todo, stop=lambda: store.has_event(run_id, workers.STOP_REQUESTED))
+    done = run_batches(config, run_id, todo, stop=lambda: store.has_event(run_id, workers.STOP_REQUESTED))
     if finish:
         store.mark(run_id, ROLLOUTS_FINISHED)
-    return {"batches": len(results), "stages": sum(t["stages"] for turns in results for t in turns)}
+    return done

@@ -86,6 +86,26 @@ def test_rollouts_flow_stops_before_the_next_batch_when_asked(tmp_path):
     assert store.count("segments", "s1") == decoded and store.has_event("s1", ROLLOUTS_FINISHED)
 
 
+def test_run_batches_leaves_nothing_per_batch_in_the_calling_flow(tmp_path):
+    """Prefect registers the value a subflow returns in the calling flow's context (`run_results`, for
+    dependency tracking); a days-long rollouts flow must not keep an entry for every batch it ran."""
+    from prefect import flow
+    from prefect.context import FlowRunContext
+
+    from flows.rollout import run_batches
+
+    cfg = small_config(tmp_path)
+
+    @flow
+    def calling_flow() -> tuple[dict, int]:
+        done = run_batches(cfg, "kept", [0, 1, 2])
+        return done, len(FlowRunContext.get().run_results)
+
+    done, entries = calling_flow()
+    assert done["batches"] == 3 and done["stages"] >= 3 * cfg.rollout.max_turns
+    assert entries == 0
+
+
 def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path, monkeypatch):
     """Batches 0 and 1 meet at a barrier before their first turn decodes (each waits up to 60 s for the
     other): only a flow that keeps two batches in flight gets both there. The real `workers` calls run
