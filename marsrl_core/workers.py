@@ -150,7 +150,10 @@ def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) ->
         return original_stage()
 
     scheduler.stage = stage_with_newest_policy
-    reports = scheduler.run_turn(turn)
+    try:
+        reports = scheduler.run_turn(turn)
+    finally:  # the closure refers to the scheduler: without this the pair waits for a full gc pass
+        del scheduler.stage
     return {"stages": len(reports), "tokens": sum(r.tokens for r in reports),
             "finished": sum(r.finished for r in reports), "new_samples": sum(r.new_samples for r in reports)}
 

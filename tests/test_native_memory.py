@@ -68,3 +68,24 @@ def test_a_worker_process_starts_one_trimmer_with_its_store(tmp_path):
     workers.store_for(cfg)
     trimmers = [t for t in threading.enumerate() if t.name == "marsrl-memory-trimmer"]
     assert len(trimmers) == 1 and trimmers[0].is_alive()
+
+
+def test_a_rollout_turns_scheduler_is_freed_when_the_turn_ends(tmp_path):
+    """Freed by reference counting, not left for a full garbage-collector pass: between two such passes
+    a rollout worker would hold every finished turn's scheduler (and its samples' token lists)."""
+    import gc
+
+    from marsrl_core.rollout import RolloutScheduler
+    from tests.configs import small_config
+
+    cfg = small_config(tmp_path)
+    workers.record_batch(cfg, "freed", 0)
+    workers.rollout_turn(cfg, "freed", 0, 0)  # warm-up: engine, tokenizer, store
+    gc.collect()
+    gc.disable()
+    try:
+        workers.rollout_turn(cfg, "freed", 0, 1)
+        alive = sum(type(o) is RolloutScheduler for o in gc.get_objects())
+    finally:
+        gc.enable()
+    assert alive == 0
