@@ -165,6 +165,16 @@ class RolloutScheduler:
                 self.pending = None
 
     # ------------------------------------------------------------------ state
+    def release(self) -> None:
+        """Unlink the samples (a parent lists its children, each child names its parent: a reference
+        cycle), so that dropping the scheduler frees them at once instead of at the garbage collector's
+        next full pass; the scheduler is not used afterwards."""
+        for st in self.states.values():
+            for samples in st.turns.values():
+                for sample in samples:
+                    sample.children.clear()
+        self.states.clear()
+
     def in_flight(self) -> list[Sample]:
         return [s for st in self.states.values() if not st.done for t in st.turns.values() for s in t
                 if s.finish is None]

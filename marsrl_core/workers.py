@@ -152,8 +152,9 @@ def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) ->
     scheduler.stage = stage_with_newest_policy
     try:
         reports = scheduler.run_turn(turn)
-    finally:  # the closure refers to the scheduler: without this the pair waits for a full gc pass
+    finally:  # no reference cycle outlives the turn (the closure refers to the scheduler)
         del scheduler.stage
+        scheduler.release()
     return {"stages": len(reports), "tokens": sum(r.tokens for r in reports),
             "finished": sum(r.finished for r in reports), "new_samples": sum(r.new_samples for r in reports)}
 

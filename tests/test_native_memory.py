@@ -71,11 +71,11 @@ def test_a_worker_process_starts_one_trimmer_with_its_store(tmp_path):
 
 
 def test_a_rollout_turns_scheduler_is_freed_when_the_turn_ends(tmp_path):
-    """Freed by reference counting, not left for a full garbage-collector pass: between two such passes
-    a rollout worker would hold every finished turn's scheduler (and its samples' token lists)."""
+    """Freed, with its samples, by reference counting, not left for a full garbage-collector pass:
+    between two such passes a rollout worker would hold every finished turn's scheduler and samples."""
     import gc
 
-    from marsrl_core.rollout import RolloutScheduler
+    from marsrl_core.rollout import RolloutScheduler, Sample
     from tests.configs import small_config
 
     cfg = small_config(tmp_path)
@@ -85,7 +85,7 @@ def test_a_rollout_turns_scheduler_is_freed_when_the_turn_ends(tmp_path):
     gc.disable()
     try:
         workers.rollout_turn(cfg, "freed", 0, 1)
-        alive = sum(type(o) is RolloutScheduler for o in gc.get_objects())
+        alive = {kind.__name__: sum(type(o) is kind for o in gc.get_objects()) for kind in (RolloutScheduler, Sample)}
     finally:
         gc.enable()
-    assert alive == 0
+    assert alive == {"RolloutScheduler": 0, "Sample": 0}
