@@ -46,7 +46,8 @@ _trimmer: MemoryTrimmer | None = None
 
 
 def store_for(cfg: MarsRLConfig) -> SegmentStore | StoreProcess:
-    """The process's store: in a child process of its own unless `store.separate_process` is off."""
+    """The process's store: in a child process of its own unless `store.separate_process` is off. The
+    process's first call also starts its `MemoryTrimmer` (unless `malloc_trim_every_s` is None)."""
     global _trimmer
     key = (cfg.store.catalog_url, cfg.store.data_path)
     with _lock:
