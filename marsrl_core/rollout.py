@@ -36,7 +36,7 @@ import random
 import threading
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,8 +101,12 @@ class StageReport:
 
 class RolloutScheduler:
     def __init__(self, cfg: MarsRLConfig, store: SegmentStore, run_id: str, engine: Any, tokenizer: Any,
-                 roles: Roles, problems: Iterator[Problem], *, seed: int = 0, max_problems: int | None = None):
-        """`engine`: one engine for all agents (shared policy) or a dict agent -> engine (per-agent)."""
+                 roles: Roles, problems: Iterator[Problem], *, seed: int = 0, max_problems: int | None = None,
+                 newer_policy: Callable[[int], tuple[int, Any] | None] | None = None):
+        """`engine`: one engine for all agents (shared policy) or a dict agent -> engine (per-agent).
+        `newer_policy(current_version)`: asked before every stage for a policy newer than the engines'
+        ((version, weights) or None), which is then offered as `offer_weights` would; for a scheduler
+        whose learner runs elsewhere and publishes its versions (the store's committed checkpoints)."""
         self.cfg, self.rc = cfg, cfg.rollout
         self.store, self.run_id = store, run_id
         self.engines = engine if isinstance(engine, dict) else {a: engine for a in (SOLVER, VERIFIER, CORRECTOR)}
@@ -121,6 +125,7 @@ class RolloutScheduler:
         self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0}
         self.synchronous = self.rc.synchronous
         self.max_decode_turn: int | None = None  # set by run_turn: decode only turns up to this one
+        self.newer_policy = newer_policy
 
     # ------------------------------------------------------------------ policy versions
     @property
@@ -240,6 +245,8 @@ class RolloutScheduler:
         self.stats["stages"] += 1
         rejected: list[tuple[str, str, str, str]] = []
         created: list[Sample] = []
+        if self.newer_policy is not None and (newer := self.newer_policy(self.version)) is not None:
+            self.offer_weights(*newer)
         if self._apply_pending():
             created = self._admit(rejected)
             report.admitted = len({s.problem.problem_id for s in created})

@@ -122,7 +122,7 @@ def engines_for(cfg: MarsRLConfig) -> BatchingEngine | dict[str, BatchingEngine]
     return engine_for(cfg)
 
 
-def _latest_weights(store: SegmentStore, run_id: str, current_version: int, per_agent: bool):
+def _latest_weights(store: SegmentStore, run_id: str, current_version: int, *, per_agent: bool):
     """(version, checkpoint folder or {agent: folder}) of a committed version newer than the engines'."""
     latest = store.latest_version(run_id)
     if latest is None or latest[0] <= current_version:
@@ -138,23 +138,14 @@ def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) ->
     store, engines = store_for(cfg), engines_for(cfg)
     tokenizer = engine_for(cfg, "solver" if isinstance(engines, dict) else "policy").tokenizer
     problems = batch_problems(cfg, batch_index)
-    scheduler = RolloutScheduler(cfg, store, run_id, engines, tokenizer, roles_for(cfg),
-                                 iter(problems if turn == 0 else ()), seed=cfg.seed * 7919 + batch_index * 31 + turn)
-    scheduler.resume({p.problem_id: p for p in problems})
     per_agent = cfg.learner.policies == "per_agent"
-    original_stage = scheduler.stage
-
-    def stage_with_newest_policy():
-        newest = _latest_weights(store, run_id, scheduler.version, per_agent)
-        if newest is not None:
-            scheduler.offer_weights(*newest)
-        return original_stage()
-
-    scheduler.stage = stage_with_newest_policy
+    scheduler = RolloutScheduler(cfg, store, run_id, engines, tokenizer, roles_for(cfg),
+                                 iter(problems if turn == 0 else ()), seed=cfg.seed * 7919 + batch_index * 31 + turn,
+                                 newer_policy=functools.partial(_latest_weights, store, run_id, per_agent=per_agent))
+    scheduler.resume({p.problem_id: p for p in problems})
     try:
         reports = scheduler.run_turn(turn)
-    finally:  # no reference cycle outlives the turn (the closure refers to the scheduler)
-        del scheduler.stage
+    finally:  # the samples form reference cycles: free them now, not at the collector's next full pass
         scheduler.release()
     return {"stages": len(reports), "tokens": sum(r.tokens for r in reports),
             "finished": sum(r.finished for r in reports), "new_samples": sum(r.new_samples for r in reports)}

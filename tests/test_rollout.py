@@ -243,3 +243,28 @@ def test_a_version_offered_during_an_update_is_not_lost(tmp_path):
     assert engine.policy_version == 1 and sched.pending is not None and sched.pending[0] == 2
     sched.stage()
     assert engine.policy_version == 2 and sched.pending is None
+
+
+def test_a_scheduler_asks_its_policy_source_before_each_stage(tmp_path):
+    """`newer_policy` is how a rollout worker learns of versions its learner committed elsewhere: asked
+    with the engines' version before every stage, and what it returns is loaded at that stage."""
+    cfg = _cfg(tmp_path, max_turns=1)
+    store = SegmentStore.from_config(cfg.store)
+    engine = ScriptedEngine(lambda p: "Answer: 1")
+    published = {"version": 0}
+    asked: list[int] = []
+
+    def newer_policy(current):
+        asked.append(current)
+        return (published["version"], f"w{published['version']}") if published["version"] > current else None
+
+    loaded: list[tuple[int, str]] = []
+    original = engine.update_weights
+    engine.update_weights = lambda version, weights: (loaded.append((version, weights)), original(version, weights))
+    sched = _scheduler(cfg, store, engine, _problems(2), newer_policy=newer_policy)
+    sched.stage()
+    published["version"] = 1  # within the staleness bound of the samples in flight
+    sched.stage()
+    sched.stage()
+    assert asked == [0, 0, 1]
+    assert loaded == [(1, "w1")] and engine.policy_version == 1
