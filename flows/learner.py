@@ -1,7 +1,9 @@
 """The learner flow: polls the store, trains as complete groups arrive, publishes versions; stops at
 the step budget, or once the rollouts have finished and nothing is left to train on. Every
 `store.compact_every_steps` versions it compacts the store (a task), so a days-long run's polls do not
-slow down with the thousands of small files its commits write."""
+slow down with the thousands of small files its commits write. It also stops before its next step
+when its process is stopping (`workers.interrupt`: the train flow's rollouts were stopped by a signal
+or failed), so a stopped `marsrl train` does not wait for the idle timeout."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
     budget = max_steps or config.learner.max_steps
     learner = workers.learner_for(config, run_id, workers.tracker_for(config, run_id))
     idle_since, finished, wait_s = time.monotonic(), False, poll_s
-    while learner.step < budget:
+    while learner.step < budget and not workers.interrupted(run_id):
         finished = workers.store_for(config).has_event(run_id, ROLLOUTS_FINISHED)
         if workers.groups_ready(config, run_id, flush=finished):
             train_step(config, run_id, flush=finished)
@@ -36,7 +38,9 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
         else:  # idle: back off, so a learner waiting for rollouts queries the store less often
             time.sleep(wait_s)
             wait_s = min(wait_s * 1.5, max(poll_s, MAX_IDLE_POLL_S))
-    if finished and learner.step < budget:
+    if workers.interrupted(run_id):
+        print(f"learner stopped at step {learner.step} of {budget}: its process is stopping")
+    elif finished and learner.step < budget:
         print(f"learner stopped at step {learner.step} of {budget}: the rollouts finished and no complete group "
               "is left to train on")
     learner.log_newest_checkpoint()

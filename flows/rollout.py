@@ -14,6 +14,10 @@ the next one's decoding. Each subflow runs in a thread of its own with the calli
 (no wrapper task), and they are created one at a time: on the local server's SQLite, concurrent
 writes conflict and the client retries the losing request after 2 s (HTTP 503).
 
+When the calling flow stops (a signal, Ctrl-C, a batch that failed), the batches in flight stop at
+their next stage boundary (`workers.interrupt`): a stop takes one stage, not the rest of
+the batches, and a resume continues from their stored segments.
+
 Deliberate simplification: the slots live in the process that runs the subflows (as the engine does);
 a rollout flow run on its own (a deployment run of one batch) decodes without waiting for one."""
 
@@ -78,9 +82,13 @@ class DecodeSlots:
         finally:
             with cls._registry_lock:
                 del cls._by_run[run_id]
-            with slots._changed:
-                slots._closed = True
-                slots._changed.notify_all()
+            slots.close()
+
+    def close(self) -> None:
+        """Batches still waiting for a slot will not decode."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     @classmethod
     @contextmanager
@@ -186,11 +194,21 @@ def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
         return future
 
     done = {"batches": 0, "stages": 0}
+    workers.clear_interrupt(run_id)
     with DecodeSlots.open(run_id, limit, stop) as slots, ThreadPoolExecutor(limit + PREPARED_AHEAD) as pool:
-        for stages in keep_in_flight(batches, limit + PREPARED_AHEAD, submit, stop):
-            if stages is not None:
-                done["batches"] += 1
-                done["stages"] += stages
+        try:
+            for stages in keep_in_flight(batches, limit + PREPARED_AHEAD, submit, stop):
+                if stages is not None:
+                    done["batches"] += 1
+                    done["stages"] += stages
+        except BaseException:
+            # A signal (Prefect raises SIGTERM as `TerminationSignal` here), Ctrl-C or a failed batch:
+            # the batches in flight stop at their next stage instead of decoding to their end, those
+            # waiting for a slot do not start, and a learner of the run in this process stops before its
+            # next step; what they decoded is stored for a resume.
+            workers.interrupt(run_id)
+            slots.close()
+            raise
     return done
 
 

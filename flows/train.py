@@ -6,7 +6,8 @@ learner trains on each batch before the next one starts. The per-agent reward cu
 
 Run again with the same `run_id` (`marsrl train --resume RUN`), it continues a killed run: an
 evaluation already recorded is not repeated, finished batches are skipped, an unfinished batch resumes
-from its stored samples, and the learner from its last committed version."""
+from its stored samples, and the learner from its last committed version. Stopped (SIGTERM, Ctrl-C)
+or failed, it stops its rollouts at their next stage and its learner before its next step."""
 
 from __future__ import annotations
 
@@ -60,11 +61,15 @@ def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = Non
         # are already past `learner.max_staleness` when it takes its first steps.
         workers.learner_for(config, run_id, workers.tracker_for(config, run_id))
         learner = _learner.submit(config, run_id)
-        # Once the learner has its steps (or failed), no more batches start.
-        run_batches(config, run_id, pending, stop=learner.wrapped_future.done)
-        if not store.has_event(run_id, ROLLOUTS_FINISHED):
-            store.mark(run_id, ROLLOUTS_FINISHED)
-        result["learner_steps"] = steps = learner.result()
+        try:
+            # Once the learner has its steps (or failed), no more batches start.
+            run_batches(config, run_id, pending, stop=learner.wrapped_future.done)
+            if not store.has_event(run_id, ROLLOUTS_FINISHED):
+                store.mark(run_id, ROLLOUTS_FINISHED)
+            result["learner_steps"] = steps = learner.result()
+        except BaseException:  # a signal or a failure: the learner stops before its next step, not at its timeout
+            workers.interrupt(run_id)
+            raise
     result["train_wall_clock_s"] = time.perf_counter() - start
     workers.log_reward_curves(config, run_id)
     if evaluate_after and steps:

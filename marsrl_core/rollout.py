@@ -24,6 +24,8 @@ it (is the last solution right?); when a turn feeds several trajectories, the me
 
 `RolloutScheduler.resume()` rebuilds the state from the store after a crash: finished samples keep
 their rewards, unfinished ones continue from their stored prefix, nothing stored is decoded again.
+An interrupted turn (`interrupted()` says so before a stage) therefore stops at the stage boundary and
+raises `RolloutInterrupted`: what it decoded is stored, and a resume continues from there.
 
 Deliberate simplifications: a downstream turn waits for all groups of the previous turn of the same
 problem (not just one group); prompts that do not fit the engine's context with their budget are
@@ -48,6 +50,11 @@ from marsrl_core.rewards import Judgement, judge
 from marsrl_core.roles import CORRECTOR, SOLVER, VERIFIER, WRONG, Roles, parse_bug_report
 from marsrl_core.selection import select_inputs
 from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore
+
+
+class RolloutInterrupted(Exception):
+    """A turn stopped at a stage boundary because its worker is stopping (a signal); its samples are
+    stored and a resume continues them."""
 
 
 def agent_of_turn(turn: int) -> str:
@@ -102,11 +109,13 @@ class StageReport:
 class RolloutScheduler:
     def __init__(self, cfg: MarsRLConfig, store: SegmentStore, run_id: str, engine: Any, tokenizer: Any,
                  roles: Roles, problems: Iterator[Problem], *, seed: int = 0, max_problems: int | None = None,
-                 newer_policy: Callable[[int], tuple[int, Any] | None] | None = None):
+                 newer_policy: Callable[[int], tuple[int, Any] | None] | None = None,
+                 interrupted: Callable[[], bool] | None = None):
         """`engine`: one engine for all agents (shared policy) or a dict agent -> engine (per-agent).
         `newer_policy(current_version)`: asked before every stage for a policy newer than the engines'
         ((version, weights) or None), which is then offered as `offer_weights` would; for a scheduler
-        whose learner runs elsewhere and publishes its versions (the store's committed checkpoints)."""
+        whose learner runs elsewhere and publishes its versions (the store's committed checkpoints).
+        `interrupted()`: asked by `run_turn` before every stage; once true the turn stops there."""
         self.cfg, self.rc = cfg, cfg.rollout
         self.store, self.run_id = store, run_id
         self.engines = engine if isinstance(engine, dict) else {a: engine for a in (SOLVER, VERIFIER, CORRECTOR)}
@@ -126,6 +135,7 @@ class RolloutScheduler:
         self.synchronous = self.rc.synchronous
         self.max_decode_turn: int | None = None  # set by run_turn: decode only turns up to this one
         self.newer_policy = newer_policy
+        self.interrupted = interrupted
 
     # ------------------------------------------------------------------ policy versions
     @property
@@ -370,8 +380,11 @@ class RolloutScheduler:
         """Decode turn `turn` of the admitted problems to its end (a Prefect task's unit of work); the
         next turn's groups are created and stored but left for the next task."""
         self.max_decode_turn = turn
-        reports = [self.stage()]
-        while any(s.turn <= turn for s in self.in_flight()):
+        reports: list[StageReport] = []
+        while not reports or any(s.turn <= turn for s in self.in_flight()):
+            if self.interrupted is not None and self.interrupted():
+                raise RolloutInterrupted(f"run {self.run_id!r}, turn {turn}: interrupted after {len(reports)} "
+                                         "stages; what they decoded is stored and a resume continues it")
             reports.append(self.stage())
         return reports
 

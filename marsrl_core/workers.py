@@ -9,7 +9,10 @@ version from the store (its checkpoint folder) at stage boundaries, so rollout a
 in different processes or machines.
 
 - `record_batch(cfg, run_id, b)`: the problems of batch `b` (synthetic or a dataset slice), stored.
-- `rollout_turn(cfg, run_id, b, turn)`: decode turn `turn` of batch `b` to its end.
+- `rollout_turn(cfg, run_id, b, turn)`: decode turn `turn` of batch `b` to its end, unless
+  `interrupt(run_id)` stops it at a stage boundary first (`RolloutInterrupted`).
+- `interrupt(run_id)`: the process is stopping (a signal, a failed batch): its rollout turns stop
+  at their next stage and its learner loop before its next step; `clear_interrupt` when a run starts.
 - `mark_batch_done(cfg, run_id, b)`: record that batch `b` has ended (a resumed run skips it).
 - `train_step(cfg, run_id)`: one learner step if enough complete groups are ready, else None.
 
@@ -43,6 +46,7 @@ _stores: dict[tuple[str, str], SegmentStore | StoreProcess] = {}
 _engines: dict[tuple[str, str], BatchingEngine] = {}
 _learners: dict[str, Any] = {}
 _trimmer: MemoryTrimmer | None = None
+_interrupted: set[str] = set()  # runs whose rollout turns and learner loop in this process are stopping
 
 
 def store_for(cfg: MarsRLConfig) -> SegmentStore | StoreProcess:
@@ -133,6 +137,24 @@ def _latest_weights(store: SegmentStore, run_id: str, current_version: int, *, p
     return version, Path(uri) / "policy"
 
 
+def interrupt(run_id: str) -> None:
+    """Stop `run_id`'s work in this process soon: rollout turns at their next stage boundary (they raise
+    `RolloutInterrupted`; what they decoded is stored), the learner loop before its next step. Stays
+    in force (later turns stop at once) until `clear_interrupt(run_id)`."""
+    with _lock:
+        _interrupted.add(run_id)
+
+
+def interrupted(run_id: str) -> bool:
+    return run_id in _interrupted
+
+
+def clear_interrupt(run_id: str) -> None:
+    """Forget an earlier `interrupt(run_id)`: called when the run's work starts in this process."""
+    with _lock:
+        _interrupted.discard(run_id)
+
+
 def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> dict[str, int]:
     """Decode turn `turn` of batch `batch_index`; returns counts for the task's result."""
     store, engines = store_for(cfg), engines_for(cfg)
@@ -141,7 +163,8 @@ def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) ->
     per_agent = cfg.learner.policies == "per_agent"
     scheduler = RolloutScheduler(cfg, store, run_id, engines, tokenizer, roles_for(cfg),
                                  iter(problems if turn == 0 else ()), seed=cfg.seed * 7919 + batch_index * 31 + turn,
-                                 newer_policy=functools.partial(_latest_weights, store, run_id, per_agent=per_agent))
+                                 newer_policy=functools.partial(_latest_weights, store, run_id, per_agent=per_agent),
+                                 interrupted=functools.partial(interrupted, run_id))
     scheduler.resume({p.problem_id: p for p in problems})
     try:
         reports = scheduler.run_turn(turn)

@@ -7,6 +7,12 @@ from prefect.cache_policies import NO_CACHE
 
 from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig
+from marsrl_core.rollout import RolloutInterrupted
+
+
+def _not_interrupted(task, task_run, state) -> bool:
+    """Retry a failed turn unless it was interrupted on purpose (its worker is stopping)."""
+    return not isinstance(state.data, RolloutInterrupted)
 
 
 @task(name="record-batch", retries=3, retry_delay_seconds=1, cache_policy=NO_CACHE)
@@ -14,6 +20,7 @@ def record_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> int:
     return workers.record_batch(config, run_id, batch_index)
 
 
-@task(name="rollout-turn", retries=2, retry_delay_seconds=1, cache_policy=NO_CACHE)
+@task(name="rollout-turn", retries=2, retry_delay_seconds=1, retry_condition_fn=_not_interrupted,
+      cache_policy=NO_CACHE)
 def rollout_turn(config: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> dict[str, int]:
     return workers.rollout_turn(config, run_id, batch_index, turn)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from marsrl_core.checkpoint import load_checkpoint
-from marsrl_core.store import SegmentStore
+from marsrl_core.store import SegmentStore, StoreError
 from tests.configs import process_config_file
 
 MAX_STEPS = 12
@@ -123,3 +123,80 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
         step = load_checkpoint(Path(row["checkpoint_uri"]), {"policy": model}, {"policy": optimizer}, {"policy": scheduler})
         assert step == row["version"]
     assert "resuming run crashy" in final.stdout
+
+
+def _segments(store_paths: tuple[str, str], run_id: str) -> dict[tuple[str, int], str | None]:
+    """(sample id, segment index) -> the segment's finish reason ("length": the sample went on decoding)."""
+    store = SegmentStore(*store_paths, create=False)
+    try:
+        rows = store.query("SELECT sample_id, segment_index, finish_reason FROM segments WHERE run_id = ?",
+                           [run_id]).to_pylist()
+        return {(r["sample_id"], r["segment_index"]): r["finish_reason"] for r in rows}
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_train_at_the_next_stage_and_a_resume_continues_the_unfinished_samples(tmp_path):
+    """SIGTERM (what a cluster scheduler sends before SIGKILL) stops `marsrl train` within a rollout
+    stage: the batches being decoded stop unfinished (before, they decoded to their end, and the learner
+    then waited out its hour-long idle timeout), and a resume continues their samples from their stored
+    segments instead of decoding them again."""
+    path = process_config_file(
+        tmp_path, "stopped", data={"num_batches": 3},
+        rollout={"problems_per_batch": 4, "segment_tokens": 4, "solver_max_tokens": 96, "verifier_max_tokens": 96,
+                 "corrector_max_tokens": 96, "max_turns": 3},
+        learner={"max_steps": 1000}, evaluation={"num_problems": 2, "k": 1, "max_rounds": 1}, sft={"enabled": False})
+    store_paths = (f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / "prefect")}
+    marsrl = [sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--results", ""]
+    log = tmp_path / "train.log"  # a file, not a pipe: the process's children keep a pipe open after it exits
+    process = subprocess.Popen([*marsrl, "--run-id", "stopped"], env=env, stdout=log.open("w"),
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        store = None
+        while store is None or store.count("segments", "stopped") < 20:  # the first stage's segments are stored
+            assert process.poll() is None and time.monotonic() < deadline, "no segments were stored"
+            time.sleep(0.1)
+            try:
+                store = store or SegmentStore(*store_paths, create=False)
+            except StoreError:  # the run has not created its catalog yet (or is creating it just now)
+                pass
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("marsrl train was still running 120 s after SIGTERM")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if store is not None:
+            store.close()
+    assert process.returncode == -signal.SIGTERM, log.read_text()[-3000:]
+    at_stop = _segments(store_paths, "stopped")
+    store = SegmentStore(*store_paths, create=False)
+    try:
+        assert not any(store.has_event("stopped", f"batch_done:{b}") for b in range(3)), \
+            "a batch decoded to its end after SIGTERM"
+    finally:
+        store.close()
+    finished = {sample for (sample, _), reason in at_stop.items() if reason != "length"}
+    unfinished = {sample for sample, _ in at_stop} - finished
+    assert unfinished, "every stored sample had finished: the stop came after the decoding it should cut short"
+
+    resumed = subprocess.run([*marsrl, "--resume", "stopped"], env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = _segments(store_paths, "stopped")
+    assert at_stop.keys() <= after.keys(), "segments stored before the stop were lost"
+    for sample in unfinished:  # continued where it stopped: later segments, the last one finished
+        indices = sorted(i for s, i in after if s == sample)
+        assert indices == list(range(len(indices))) and len(indices) > max(i for s, i in at_stop if s == sample)
+        assert after[(sample, indices[-1])] in ("stop", "budget")
+    store = SegmentStore(*store_paths, create=False)
+    try:
+        assert all(store.has_event("stopped", f"batch_done:{b}") for b in range(3))
+    finally:
+        store.close()
