@@ -19,13 +19,16 @@ store_processes_seen (store process ids seen per parent: 1 + its replacements se
 rss_mean_by_quarter_mb (mean RSS in each quarter of the run, per process and store process), errors. The learner compacts the store every `store.compact_every_steps` versions (100 by default).
 
 Run: `python benchmarks/soak.py --minutes 10`; `--set KEY=VALUE` (repeatable) overrides a config field in
-both processes, e.g. to compare a store setting.
+both processes, e.g. to compare a store setting. The run's folder (store, checkpoints, MLflow: about
+1 GB after 20 minutes) is deleted at the end unless `--keep` is given or an error was found; then the
+logs and the store stay there for a look.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -103,6 +106,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for both processes, as `marsrl --set` takes it")
+    parser.add_argument("--keep", action="store_true", help="keep the run's folder (deleted by default without errors)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="marsrl-soak-"))
     config = {
@@ -231,7 +235,12 @@ def main() -> None:
           f"{poll_ms:.0f} ms (median of 5)")
     print(f"duration {duration:.0f} s, policy versions {figures['versions']}, disk {disk_mb:.0f} MB "
           f"(store, checkpoints kept: 3, MLflow), errors: {errors or 'none'}")
-    print(f"written to {write_results('soak', figures)}; logs in {work}")
+    store.close()
+    if errors or args.keep:
+        print(f"written to {write_results('soak', figures)}; logs and store kept in {work}")
+    else:
+        shutil.rmtree(work)
+        print(f"written to {write_results('soak', figures)}; {work} deleted (--keep keeps it)")
 
 
 if __name__ == "__main__":
