@@ -38,9 +38,10 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
         else:  # idle: back off, so a learner waiting for rollouts queries the store less often
             time.sleep(wait_s)
             wait_s = min(wait_s * 1.5, max(poll_s, MAX_IDLE_POLL_S))
-    if workers.interrupted(run_id):
+    if workers.interrupted(run_id):  # no checkpoint upload either: a SIGKILL may follow the SIGTERM soon
         print(f"learner stopped at step {learner.step} of {budget}: its process is stopping")
-    elif finished and learner.step < budget:
+        return learner.step
+    if finished and learner.step < budget:
         print(f"learner stopped at step {learner.step} of {budget}: the rollouts finished and no complete group "
               "is left to train on")
     learner.log_newest_checkpoint()

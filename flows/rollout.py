@@ -194,8 +194,8 @@ def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
         return future
 
     done = {"batches": 0, "stages": 0}
-    workers.clear_interrupt(run_id)
     with DecodeSlots.open(run_id, limit, stop) as slots, ThreadPoolExecutor(limit + PREPARED_AHEAD) as pool:
+        workers.clear_interrupt(run_id)  # an earlier call for this run in this process may have been stopped
         try:
             for stages in keep_in_flight(batches, limit + PREPARED_AHEAD, submit, stop):
                 if stages is not None:

@@ -39,6 +39,7 @@ def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = Non
     if config.sft.enabled and config.model.path is None:  # warm start first (cached); a resumed run has its path
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": sft_flow(config)})})
     run_id = run_id or f"{config.run_name}-{uuid.uuid4().hex[:8]}"
+    workers.clear_interrupt(run_id)  # an earlier run of this id in this process may have been stopped
     workers.start_run(config, run_id)
     store = workers.store_for(config)
     result: dict = {"run_id": run_id}
@@ -64,7 +65,10 @@ def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = Non
         try:
             # Once the learner has its steps (or failed), no more batches start.
             run_batches(config, run_id, pending, stop=learner.wrapped_future.done)
-            if not store.has_event(run_id, ROLLOUTS_FINISHED):
+            # A learner that failed stopped the batches early: the rollouts are not finished, and a
+            # resumed run must still decode the rest (its learner would stop on the mark).
+            learner_failed = learner.wrapped_future.done() and not learner.state.is_completed()
+            if not learner_failed and not store.has_event(run_id, ROLLOUTS_FINISHED):
                 store.mark(run_id, ROLLOUTS_FINISHED)
             result["learner_steps"] = steps = learner.result()
         except BaseException:  # a signal or a failure: the learner stops before its next step, not at its timeout

@@ -244,6 +244,26 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     assert any(r.info.run_name == "t1" and "solver/reward_mean" in r.data.metrics for r in runs)
 
 
+def test_a_failed_learner_leaves_the_rollouts_unfinished_for_a_resume(tmp_path, monkeypatch):
+    """A learner that fails stops the train flow's batches early; the run must not be marked as having
+    finished its rollouts, or a resumed run's learner would stop before the rest were decoded."""
+    from flows.learner import ROLLOUTS_FINISHED
+    from flows.train import train_flow
+    from marsrl_core.learner import Learner
+    from marsrl_core.store import SegmentStore
+
+    def broken(self, groups):
+        raise RuntimeError("the learner broke")
+
+    monkeypatch.setattr(Learner, "train_step", broken)
+    cfg = small_config(tmp_path, **{"data.num_batches": 6})
+    with pytest.raises(RuntimeError, match="the learner broke"):
+        train_flow(cfg, "broken", evaluate_before=False, evaluate_after=False)
+    store = SegmentStore.from_config(cfg.store)
+    assert store.count("samples", "broken") > 0  # the learner had groups to fail on
+    assert not store.has_event("broken", ROLLOUTS_FINISHED)
+
+
 def test_synchronous_train_flow_decodes_no_batch_after_the_learner_has_its_steps(tmp_path):
     from flows.train import train_flow
     from marsrl_core.store import SegmentStore
