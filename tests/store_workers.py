@@ -3,6 +3,7 @@
     writer CATALOG DATA RUN SECONDS   append samples + segments + rewards; print the running totals
     reader CATALOG DATA RUN SECONDS   read the views and commit consumptions of trainable groups
     killme CATALOG DATA RUN           append big batches forever, announcing each one on stdout
+    open CATALOG DATA RUN AT          open the store (creating it if new) at time AT, print a row count
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def killme(store: SegmentStore, run: str) -> None:
 
 if __name__ == "__main__":
     role, catalog, data, run = sys.argv[1:5]
+    if role == "open":  # open (creating it if new) at the given time.time(), then count a table
+        while time.time() < float(sys.argv[5]):
+            pass
+        print(SegmentStore(catalog, data).count("samples"), flush=True)
+        sys.exit(0)
     s = SegmentStore(catalog, data)
     if role == "writer":
         writer(s, run, float(sys.argv[5]))
