@@ -197,12 +197,10 @@ class SegmentStore:
         kind, _, target = self.catalog_url.partition(":")
         if kind not in ("sqlite", "postgres") or not target:
             raise StoreError(f"catalog_url={self.catalog_url!r}: expected 'sqlite:<file>' or 'postgres:<dsn>'")
-        with self._sqlite_attach_lock(Path(target), create) if kind == "sqlite" else contextlib.nullcontext():
-            return self._attach(kind, create)
+        with self._sqlite_catalog(Path(target), create) if kind == "sqlite" else contextlib.nullcontext():
+            return self._attach(kind)
 
-    def _attach(self, kind: str, create: bool) -> duckdb.DuckDBPyConnection:
-        if kind == "sqlite":
-            self._prepare_sqlite(Path(self.catalog_url.partition(":")[2]), create)
+    def _attach(self, kind: str) -> duckdb.DuckDBPyConnection:
         if "://" not in self.data_path:
             try:
                 Path(self.data_path).mkdir(parents=True, exist_ok=True)
@@ -244,12 +242,13 @@ class SegmentStore:
 
     @staticmethod
     @contextlib.contextmanager
-    def _sqlite_attach_lock(path: Path, create: bool) -> Iterator[None]:
-        """Processes attach a SQLite catalog one at a time (an exclusive lock on `<catalog>.lock`).
-        Two processes creating a new catalog at once collide: in a measured 10 tries of two processes
-        opening a new store together, one failed 8 times (DuckLake's initialisation: "database is
-        locked"), and a reader polling a catalog still being created once saw "database disk image is
-        malformed". A split run's rollout and learner processes start together on a new store."""
+    def _sqlite_catalog(path: Path, create: bool) -> Iterator[None]:
+        """Prepare a SQLite catalog (WAL, so readers run beside one writer) and hold an exclusive lock on
+        `<catalog>.lock` while the caller attaches it: processes attach one at a time. Two processes
+        creating a new catalog at once collide: in a measured 10 tries of two processes opening a new
+        store together, one failed 8 times (DuckLake's initialisation: "database is locked"), and a
+        reader polling a catalog still being created once saw "database disk image is malformed". A
+        split run's rollout and learner processes start together on a new store."""
         if not path.exists() and not create:
             raise StoreError(f"catalog {str(path)!r}: no such store")
         try:
@@ -260,20 +259,14 @@ class SegmentStore:
         with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
+                try:
+                    with sqlite3.connect(path, timeout=30) as db:
+                        db.execute("PRAGMA journal_mode=WAL")
+                except sqlite3.Error as err:
+                    raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
-
-    @staticmethod
-    def _prepare_sqlite(path: Path, create: bool) -> None:
-        if not path.exists() and not create:
-            raise StoreError(f"catalog {str(path)!r}: no such store")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with sqlite3.connect(path, timeout=30) as db:  # WAL lets readers run beside one writer
-                db.execute("PRAGMA journal_mode=WAL")
-        except (OSError, sqlite3.Error) as err:
-            raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
 
     def close(self) -> None:
         with self._lock:
