@@ -6,7 +6,9 @@ as artifacts under `checkpoints/v<step>`, registered as a version of the registe
 (`tracking.registered_model_name`), and the alias `newest` points at it (MLflow reserves `latest`).
 
 The tracking URI is `MLFLOW_TRACKING_URI` when set, else `tracking.mlflow_tracking_uri`
-(default `sqlite:///mlflow.db`).
+(default `sqlite:///mlflow.db`). With a local SQLite tracking store, a new experiment keeps its
+artifacts in `mlruns/` beside the database file (MLflow's own default is `./mlruns` in whatever
+folder the process runs in).
 
 Deliberate simplification: every committed version is registered, so the alias is the newest
 version, not a separately judged "best" one.
@@ -34,6 +36,15 @@ def tracking_uri(configured: str) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI", configured)
 
 
+def artifact_location(uri: str) -> str | None:
+    """`mlruns/` beside the database of a local SQLite tracking URI (`sqlite:///relative.db` or
+    `sqlite:////absolute.db`), as a file URI; None (the server's default) for any other store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri.removeprefix("sqlite:///"))
+    return (database.resolve().parent / "mlruns").as_uri()
+
+
 class Tracker:
     """An MLflow run, written through `MlflowClient` with its run id (never the thread-local "active
     run"), so the learner thread, flows and tasks can all log to it."""
@@ -46,7 +57,7 @@ class Tracker:
         self.model_name = tracking_config.registered_model_name
         experiment = self.client.get_experiment_by_name(tracking_config.experiment_name)
         experiment_id = experiment.experiment_id if experiment else \
-            self.client.create_experiment(tracking_config.experiment_name)
+            self.client.create_experiment(tracking_config.experiment_name, artifact_location=artifact_location(uri))
         self.run = self.client.create_run(experiment_id, run_name=run_name)
         self.run_id = self.run.info.run_id
         from mlflow.entities import Param

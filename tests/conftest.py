@@ -1,12 +1,40 @@
-"""Shared fixtures: a fresh DuckLake store per test in a temporary folder."""
+"""Shared fixtures: a fresh DuckLake store per test in a temporary folder, and a test run that leaves
+the working tree as it found it.
+
+Every test runs in its own temporary folder (the working directory is `tmp_path`), so a relative
+default (the store under `marsrl/`, `mlflow.db`, `benchmarks/results/`) lands there; the whole session
+shares one Prefect home outside the tree, set before Prefect is imported.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from marsrl_core.store import SegmentStore
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="marsrl-tests-prefect-")
+
+from marsrl_core.store import SegmentStore  # noqa: E402  (after PREFECT_HOME: it may import Prefect's settings)
+
+from tests import worktree  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def working_tree_unchanged():
+    """Fails the run if any test created, changed or deleted a file of the working tree."""
+    before = worktree.snapshot()
+    yield
+    changed = worktree.changes(before, worktree.snapshot())
+    if changed:
+        pytest.fail("the test run changed the working tree:\n  " + "\n  ".join(changed[:50]), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture

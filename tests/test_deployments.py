@@ -51,7 +51,7 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
     try:
         wait_http(f"{api}/health", server, 120)
         served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--cron", "0 2 * * *"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
         cfg = small_config(tmp_path, **{"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1})
         state, schedules = asyncio.run(_trigger(api, cfg.model_dump(mode="json"), served))
         assert state == "COMPLETED"

@@ -294,6 +294,8 @@ def test_learner_flow_compacts_the_store_every_n_versions(tmp_path):
 
 
 def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
+    import json
+
     from flows.cli import main
 
     from marsrl_core.config import config_to_yaml
@@ -301,9 +303,12 @@ def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
     cfg = small_config(tmp_path, **{"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1})
     path = tmp_path / "small.yaml"
     path.write_text(config_to_yaml(cfg))
-    assert main(["train", "--config", str(path), "--run-id", "cli-run"]) == 0
+    results = tmp_path / "train.json"
+    assert main(["train", "--config", str(path), "--run-id", "cli-run", "--results", str(results)]) == 0
     out = capsys.readouterr().out
     assert "cli-run" in out and "Solver accuracy" in out and "before" in out and "after" in out
+    figures = json.loads(results.read_text())
+    assert figures["learner_steps"] == 1 and 0.0 <= figures["solver_acc_after"] <= 1.0
 
 
 def test_marsrl_core_never_imports_prefect():

@@ -216,7 +216,8 @@ def test_a_long_run_keeps_the_newest_checkpoints_and_logs_every_nth(folder, tmp_
     cfg = load_config("tiny", None, [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
                                      f"store.data_path={tmp_path}/data", "learner.save_total_limit=2",
                                      "tracking.log_checkpoint_steps=2",
-                                     f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+                                     f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path}/tracking/mlflow.db"])
+    (tmp_path / "tracking").mkdir()
     store = SegmentStore.from_config(cfg.store)
     tracker = Tracker(cfg.tracking, "retention", cfg.model_dump(mode="json"))
     learner, engine = _learner(cfg, store, folder, tmp_path, tracker=tracker)
@@ -235,6 +236,8 @@ def test_a_long_run_keeps_the_newest_checkpoints_and_logs_every_nth(folder, tmp_
     assert logged() == ["checkpoints/v2", "checkpoints/v4", "checkpoints/v5"]
     newest = client.get_model_version_by_alias(cfg.tracking.registered_model_name, NEWEST_ALIAS)
     assert newest.source.endswith("checkpoints/v5")
+    # the artifacts lie beside the tracking database, not in the working directory
+    assert newest.source.startswith((tmp_path / "tracking" / "mlruns").as_uri())
 
 
 def test_a_step_that_fails_to_publish_is_not_trained_twice(folder, tmp_path, monkeypatch):

@@ -152,8 +152,7 @@ def test_a_child_whose_parent_is_killed_exits(store_paths, tmp_path):
         print(store.pid, flush=True)
         time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(os.path.dirname(__file__)))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     child = int(parent.stdout.readline())
     assert psutil.pid_exists(child)
     parent.kill()
