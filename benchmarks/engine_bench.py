@@ -17,9 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
+from marsrl_core.demo.tiny import build_tiny_model  # noqa: E402
 from marsrl_core.engines.base import SamplingParams, SegmentRequest  # noqa: E402
 from marsrl_core.engines.hf import HFEngine  # noqa: E402
-from marsrl_core.tiny import build_tiny_model  # noqa: E402
 
 NEW_TOKENS = 64
 
@@ -27,7 +27,9 @@ NEW_TOKENS = 64
 def tokens_per_s(engine, batch: int, batched: bool, tokenizer=None) -> float:
     tokenizer = tokenizer or engine.tokenizer
     prompts = [tokenizer(f"S|{i % 10}+{(i * 7) % 10}+3|", add_special_tokens=False)["input_ids"] for i in range(batch)]
-    requests = [SegmentRequest(p, (), NEW_TOKENS, SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
+    requests = [
+        SegmentRequest(p, (), NEW_TOKENS, SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts)
+    ]
     start = time.perf_counter()
     if batched:
         results = engine.decode_segment(requests)
@@ -74,12 +76,18 @@ def main() -> None:
         figures["hf_weight_update_s"] = time.perf_counter() - start
         figures.update(vllm_figures(folder, state, engine.tokenizer))
     figures["hf_batched_speedup_b32"] = rows[-1][3]
-    print_rows(f"hf engine, tiny model, {NEW_TOKENS} new tokens per request",
-               ["batch", "batched tokens/s", "one at a time tokens/s", "speed-up"], rows)
+    print_rows(
+        f"hf engine, tiny model, {NEW_TOKENS} new tokens per request",
+        ["batch", "batched tokens/s", "one at a time tokens/s", "speed-up"],
+        rows,
+    )
     print(f"hf in-place weight update from a state dict: {figures['hf_weight_update_s'] * 1000:.1f} ms")
     if figures["vllm_startup_s"] is not None:
-        print_rows("vLLM (in-process, CPU build), tiny model", ["batch", "tokens/s"],
-                   [[b, v] for b, v in figures["vllm_tokens_per_s"].items()])
+        print_rows(
+            "vLLM (in-process, CPU build), tiny model",
+            ["batch", "tokens/s"],
+            [[b, v] for b, v in figures["vllm_tokens_per_s"].items()],
+        )
         print(f"vLLM start-up {figures['vllm_startup_s']:.1f} s, weight update {figures['vllm_weight_update_s']:.3f} s")
     print(f"wrote {write_results('engine', figures)}")
 

@@ -30,12 +30,19 @@ def one_step(mode: str, length: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from marsrl_core.algorithms import chunked_logprobs, naive_logprobs, policy_loss
+    from marsrl_core.learn.algorithms import chunked_logprobs, naive_logprobs, policy_loss
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-                         max_position_embeddings=length + 8)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=length + 8,
+    )
     model = LlamaForCausalLM(config).train()
     model.gradient_checkpointing_enable()
     ids = torch.randint(0, VOCAB, (1, length))
@@ -65,22 +72,33 @@ def main() -> None:
                 figures["peak_mb"][mode][str(length)] = None
                 figures["step_s"][mode][str(length)] = None
                 continue
-            result = subprocess.run([sys.executable, __file__, "--one", mode, str(length)], capture_output=True,
-                                    text=True, check=True)
+            result = subprocess.run(
+                [sys.executable, __file__, "--one", mode, str(length)], capture_output=True, text=True, check=True
+            )
             measured = json.loads(result.stdout.strip().splitlines()[-1])
             figures["peak_mb"][mode][str(length)] = measured["peak_mb"]
             figures["step_s"][mode][str(length)] = measured["step_s"]
     rows = []
     for length in LENGTHS:
         c, n = figures["peak_mb"]["chunked"][str(length)], figures["peak_mb"]["naive"][str(length)]
-        rows.append([length, c, "skipped (>30 GB)" if n is None else n, "-" if n is None else n / c,
-                     figures["step_s"]["chunked"][str(length)],
-                     "-" if n is None else figures["step_s"]["naive"][str(length)]])
+        rows.append(
+            [
+                length,
+                c,
+                "skipped (>30 GB)" if n is None else n,
+                "-" if n is None else n / c,
+                figures["step_s"]["chunked"][str(length)],
+                "-" if n is None else figures["step_s"]["naive"][str(length)],
+            ]
+        )
     c = figures["peak_mb"]["chunked"]
     figures["chunked_growth_4k_to_64k"] = c["65536"] / c["4096"]
     figures["naive_over_chunked_16k"] = figures["peak_mb"]["naive"]["16384"] / c["16384"]
-    print_rows(f"one train step, tiny Llama, vocab {VOCAB}, gradient checkpointing",
-               ["tokens", "chunked peak MB", "naive peak MB", "naive / chunked", "chunked s", "naive s"], rows)
+    print_rows(
+        f"one train step, tiny Llama, vocab {VOCAB}, gradient checkpointing",
+        ["tokens", "chunked peak MB", "naive peak MB", "naive / chunked", "chunked s", "naive s"],
+        rows,
+    )
     print(f"chunked peak grows {figures['chunked_growth_4k_to_64k']:.1f}x from 4K to 64K tokens (16x tokens)")
     print(f"wrote {write_results('learner', figures)}")
 

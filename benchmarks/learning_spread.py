@@ -39,9 +39,15 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
 
-MEASURES = {"solver": "solver_acc", "verifier": "verifier_bal_acc", "verifier_caught": "verifier_recall",
-            "corrector_fix": "corrector_fix", "corrector_break": "corrector_break",
-            "corrector_break_false_flag": "corrector_break_false_flag", "vc": "vc_acc"}
+MEASURES = {
+    "solver": "solver_acc",
+    "verifier": "verifier_bal_acc",
+    "verifier_caught": "verifier_recall",
+    "corrector_fix": "corrector_fix",
+    "corrector_break": "corrector_break",
+    "corrector_break_false_flag": "corrector_break_false_flag",
+    "vc": "vc_acc",
+}
 
 
 def run_seed(seed: int, extra: list[str] | None = None) -> dict[str, float]:
@@ -65,38 +71,87 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, float]]:
         gain = [a - b for a, b in zip(after, before)]
         sd_before, sd_after = statistics.stdev(before), statistics.stdev(after)
         summary[name] = {
-            "before_mean": statistics.mean(before), "before_sd": sd_before,
-            "after_mean": statistics.mean(after), "after_sd": sd_after,
-            "gain_mean": statistics.mean(gain), "gain_sd": statistics.stdev(gain), "gain_min": min(gain),
-            "margin": 2 * sd_before, "margin_one_run": 2 * 2**0.5 * sd_before,
+            "before_mean": statistics.mean(before),
+            "before_sd": sd_before,
+            "after_mean": statistics.mean(after),
+            "after_sd": sd_after,
+            "gain_mean": statistics.mean(gain),
+            "gain_sd": statistics.stdev(gain),
+            "gain_min": min(gain),
+            "margin": 2 * sd_before,
+            "margin_one_run": 2 * 2**0.5 * sd_before,
         }
         mean_of_two_sd = summary[name]["gain_sd"] / 2**0.5
         summary[name]["gain_sds_above_margin"] = (summary[name]["gain_mean"] - summary[name]["margin"]) / max(
-            mean_of_two_sd, 1e-9)
+            mean_of_two_sd, 1e-9
+        )
     return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=5, help="How many seeds, from --first-seed on (at least 2; the test margins used 5).")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="Override a field of the learning run (repeatable), to compare a variant's "
-                        "spread; the figures then go to learning_spread_variant.json, not the margins' file.")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=5,
+        help="How many seeds, from --first-seed on (at least 2; the test margins used 5).",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Override a field of the learning run (repeatable), to compare a variant's "
+        "spread; the figures then go to learning_spread_variant.json, not the margins' file.",
+    )
     parser.add_argument("--first-seed", type=int, default=0, help="The first seed.")
-    parser.add_argument("--name", help="Results file name (default: learning_spread, or learning_spread_variant "
-                        "with --set or --first-seed).")
+    parser.add_argument(
+        "--name",
+        help="Results file name (default: learning_spread, or learning_spread_variant with --set or --first-seed).",
+    )
     args = parser.parse_args()
     runs = [run_seed(seed, args.overrides) for seed in range(args.first_seed, args.first_seed + max(2, args.seeds))]
     summary = summarise(runs)
-    print_rows("the learning run, per seed", ["seed", "Solver before", "Solver after", "Verifier before",
-                                              "Verifier after", "wall-clock s"],
-               [[r["seed"], r["solver_before"], r["solver_after"], r["verifier_before"], r["verifier_after"],
-                 r["wall_clock_s"]] for r in runs])
-    print_rows("spread over seeds", ["measure", "before mean ± sd", "after mean ± sd", "gain mean ± sd",
-                                     "smallest gain", "margin (mean of 2)", "gain - margin (sds of a mean of 2)"],
-               [[name, f"{s['before_mean']:.3f} ± {s['before_sd']:.3f}", f"{s['after_mean']:.3f} ± {s['after_sd']:.3f}",
-                 f"{s['gain_mean']:.3f} ± {s['gain_sd']:.3f}", s["gain_min"], s["margin"], s["gain_sds_above_margin"]]
-                for name, s in summary.items()])
+    print_rows(
+        "the learning run, per seed",
+        ["seed", "Solver before", "Solver after", "Verifier before", "Verifier after", "wall-clock s"],
+        [
+            [
+                r["seed"],
+                r["solver_before"],
+                r["solver_after"],
+                r["verifier_before"],
+                r["verifier_after"],
+                r["wall_clock_s"],
+            ]
+            for r in runs
+        ],
+    )
+    print_rows(
+        "spread over seeds",
+        [
+            "measure",
+            "before mean ± sd",
+            "after mean ± sd",
+            "gain mean ± sd",
+            "smallest gain",
+            "margin (mean of 2)",
+            "gain - margin (sds of a mean of 2)",
+        ],
+        [
+            [
+                name,
+                f"{s['before_mean']:.3f} ± {s['before_sd']:.3f}",
+                f"{s['after_mean']:.3f} ± {s['after_sd']:.3f}",
+                f"{s['gain_mean']:.3f} ± {s['gain_sd']:.3f}",
+                s["gain_min"],
+                s["margin"],
+                s["gain_sds_above_margin"],
+            ]
+            for name, s in summary.items()
+        ],
+    )
     name = args.name or ("learning_spread_variant" if args.overrides or args.first_seed else "learning_spread")
     path = write_results(name, {"seeds": len(runs), "overrides": args.overrides, "runs": runs, **summary})
     print(f"figures written to {path}")

@@ -1,5 +1,5 @@
 """Prefect overhead per rollout stage: the same rollout batches decoded turn by turn directly through
-`marsrl_core.workers` and through the Prefect `rollouts` flow (what `marsrl rollout` runs: one rollout
+`marsrl_core.runtime.workers` and through the Prefect `rollouts` flow (what `marsrl rollout` runs: one rollout
 subflow per batch, a DAG of agent-turn tasks), side by side. Both paths run `rollout.batches_in_flight`
 batches at a time (the default, 2), as the `train` and `rollouts` flows do; `--batches-in-flight 1`
 runs them one after another.
@@ -47,18 +47,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
-from marsrl_core import workers  # noqa: E402
 from marsrl_core.config import load_config  # noqa: E402
+from marsrl_core.runtime import workers  # noqa: E402
 
 BATCHES = 6
 REPEATS = 3
 
 
 def config(root: Path, tag: str, problems_per_batch: int, batches_in_flight: int):
-    return load_config("tiny", None, [
-        f"store.catalog_url=sqlite:{root}/{tag}.sqlite", f"store.data_path={root}/{tag}-data",
-        f"output_dir={root}/out", "rollout.segment_tokens=32", f"rollout.problems_per_batch={problems_per_batch}",
-        f"rollout.batches_in_flight={batches_in_flight}"])
+    return load_config(
+        "tiny",
+        None,
+        [
+            f"store.catalog_url=sqlite:{root}/{tag}.sqlite",
+            f"store.data_path={root}/{tag}-data",
+            f"output_dir={root}/out",
+            "rollout.segment_tokens=32",
+            f"rollout.problems_per_batch={problems_per_batch}",
+            f"rollout.batches_in_flight={batches_in_flight}",
+        ],
+    )
 
 
 def union_s(intervals: list[tuple[float, float]]) -> float:
@@ -104,6 +112,7 @@ class WorkTimer:
             finally:
                 with self.lock:
                     self.intervals.append((start, time.perf_counter()))
+
         return timed
 
 
@@ -212,8 +221,13 @@ def with_prefect(cfg, run_id: str, batches: int = BATCHES) -> dict:
         start = time.perf_counter()
         done = rollouts_flow(cfg, run_id, list(range(batches)))
         wall = time.perf_counter() - start
-    return {"wall_s": wall, "work_s": work.seconds, "stages": done["stages"],
-            "server_cpu_s": children_cpu_s() - server_cpu, "retried_requests": retries.retries}
+    return {
+        "wall_s": wall,
+        "work_s": work.seconds,
+        "stages": done["stages"],
+        "server_cpu_s": children_cpu_s() - server_cpu,
+        "retried_requests": retries.retries,
+    }
 
 
 def main() -> None:
@@ -222,17 +236,27 @@ def main() -> None:
     from flows.rollout import rollouts_flow
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--problems-per-batch", type=int, default=32,
-                        help="Problems per rollout batch (32; `make train` uses 8). Other sizes write "
-                             "prefect_overhead_<n>.json.")
-    parser.add_argument("--batches-in-flight", type=int, default=2,
-                        help="Batches decoding at once in both paths (2, the default of `rollout.batches_in_flight`; "
-                             "1 runs them one after another and writes prefect_overhead[_<n>]_sequential.json).")
-    parser.add_argument("--pin-server", action="store_true",
-                        help="After start-up, pin Prefect's API server (and a local Postgres behind it) to core 1 "
-                             "and this process (both paths' decoding) to core 0: the server then competes with no "
-                             "decoding, as on a cluster where it has a machine of its own. Writes "
-                             "prefect_overhead[_<n>]_pinned.json.")
+    parser.add_argument(
+        "--problems-per-batch",
+        type=int,
+        default=32,
+        help="Problems per rollout batch (32; `make train` uses 8). Other sizes write prefect_overhead_<n>.json.",
+    )
+    parser.add_argument(
+        "--batches-in-flight",
+        type=int,
+        default=2,
+        help="Batches decoding at once in both paths (2, the default of `rollout.batches_in_flight`; "
+        "1 runs them one after another and writes prefect_overhead[_<n>]_sequential.json).",
+    )
+    parser.add_argument(
+        "--pin-server",
+        action="store_true",
+        help="After start-up, pin Prefect's API server (and a local Postgres behind it) to core 1 "
+        "and this process (both paths' decoding) to core 0: the server then competes with no "
+        "decoding, as on a cluster where it has a machine of its own. Writes "
+        "prefect_overhead[_<n>]_pinned.json.",
+    )
     args = parser.parse_args()
     problems, in_flight = args.problems_per_batch, args.batches_in_flight
 
@@ -259,32 +283,66 @@ def main() -> None:
     stage_s = work / stages
     paired = (median("prefect", "wall_s") - median("direct", "wall_s")) / median("direct", "wall_s")
     figures = {
-        "overhead_per_stage_s": overhead / stages, "stage_s": stage_s, "overhead_fraction": overhead / work,
-        "overhead_per_run_s": per_run, "overhead_per_batch_s": (overhead - per_run) / BATCHES,
+        "overhead_per_stage_s": overhead / stages,
+        "stage_s": stage_s,
+        "overhead_fraction": overhead / work,
+        "overhead_per_run_s": per_run,
+        "overhead_per_batch_s": (overhead - per_run) / BATCHES,
         "overhead_fraction_per_batch": (overhead - per_run) / work,
-        "paired_difference_fraction": paired, "batches": BATCHES, "problems_per_batch": problems,
-        "batches_in_flight": in_flight, "stages": stages, "server_pinned_apart": args.pin_server,
-        "prefect_database": database, "retried_requests_per_run": [r["retried_requests"] for r in runs["prefect"]],
+        "paired_difference_fraction": paired,
+        "batches": BATCHES,
+        "problems_per_batch": problems,
+        "batches_in_flight": in_flight,
+        "stages": stages,
+        "server_pinned_apart": args.pin_server,
+        "prefect_database": database,
+        "retried_requests_per_run": [r["retried_requests"] for r in runs["prefect"]],
         "direct_uncovered_s": median("direct", "wall_s") - median("direct", "work_s"),
         "server_cpu_s": {"direct": median("direct", "server_cpu_s"), "prefect": median("prefect", "server_cpu_s")},
         "all_runs": runs,
     }
-    print_rows(f"rollout of {BATCHES} batches x {problems} problems, {in_flight} in flight, tiny model, "
-               f"32-token segments, Prefect server on {database} (median of {REPEATS})",
-               ["path", "wall s", "in workers s (union)", "stages", "API server CPU s"],
-               [["direct (marsrl_core.workers)", median("direct", "wall_s"), median("direct", "work_s"),
-                 runs["direct"][0]["stages"], median("direct", "server_cpu_s")],
-                ["Prefect: rollouts flow > rollout subflows > tasks", median("prefect", "wall_s"), work, stages,
-                 median("prefect", "server_cpu_s")],
-                ["Prefect: rollouts flow over no batch", median("empty", "wall_s"), median("empty", "work_s"), 0,
-                 median("empty", "server_cpu_s")]])
-    print(f"Prefect overhead: {overhead:.2f} s in the run = {overhead / stages * 1000:.1f} ms per stage = "
-          f"{overhead / work:.1%} of a stage (goal < 5%); of it {per_run:.2f} s once per flow run, "
-          f"{figures['overhead_per_batch_s'] * 1000:.0f} ms per batch ({figures['overhead_fraction_per_batch']:.1%}). "
-          f"Paired difference of medians: {paired:+.1%} (noise ±5%). Requests the server answered 503 "
-          f"(retried after 2 s, 4 s, ...), per run: {figures['retried_requests_per_run']}.")
-    name = ("prefect_overhead" + ("" if problems == 32 else f"_{problems}") + ("" if in_flight > 1 else "_sequential")
-            + ("_pinned" if args.pin_server else "") + ("" if database == "sqlite" else f"_{database}"))
+    print_rows(
+        f"rollout of {BATCHES} batches x {problems} problems, {in_flight} in flight, tiny model, "
+        f"32-token segments, Prefect server on {database} (median of {REPEATS})",
+        ["path", "wall s", "in workers s (union)", "stages", "API server CPU s"],
+        [
+            [
+                "direct (marsrl_core.runtime.workers)",
+                median("direct", "wall_s"),
+                median("direct", "work_s"),
+                runs["direct"][0]["stages"],
+                median("direct", "server_cpu_s"),
+            ],
+            [
+                "Prefect: rollouts flow > rollout subflows > tasks",
+                median("prefect", "wall_s"),
+                work,
+                stages,
+                median("prefect", "server_cpu_s"),
+            ],
+            [
+                "Prefect: rollouts flow over no batch",
+                median("empty", "wall_s"),
+                median("empty", "work_s"),
+                0,
+                median("empty", "server_cpu_s"),
+            ],
+        ],
+    )
+    print(
+        f"Prefect overhead: {overhead:.2f} s in the run = {overhead / stages * 1000:.1f} ms per stage = "
+        f"{overhead / work:.1%} of a stage (goal < 5%); of it {per_run:.2f} s once per flow run, "
+        f"{figures['overhead_per_batch_s'] * 1000:.0f} ms per batch ({figures['overhead_fraction_per_batch']:.1%}). "
+        f"Paired difference of medians: {paired:+.1%} (noise ±5%). Requests the server answered 503 "
+        f"(retried after 2 s, 4 s, ...), per run: {figures['retried_requests_per_run']}."
+    )
+    name = (
+        "prefect_overhead"
+        + ("" if problems == 32 else f"_{problems}")
+        + ("" if in_flight > 1 else "_sequential")
+        + ("_pinned" if args.pin_server else "")
+        + ("" if database == "sqlite" else f"_{database}")
+    )
     print(f"wrote {write_results(name, figures)}")
 
 

@@ -36,9 +36,13 @@ BATCHES = 4
 
 def measure(command: str, timeout_s: float) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"marsrl-stop-{command}-"))
-    config = {"store": {"catalog_url": f"sqlite:{work}/lake.sqlite", "data_path": f"{work}/data"},
-              "output_dir": f"{work}/out", "rollout": {"problems_per_batch": 8, "segment_tokens": 8},
-              "data": {"num_batches": BATCHES}, "tracking": {"mlflow_tracking_uri": f"sqlite:///{work}/mlflow.db"}}
+    config = {
+        "store": {"catalog_url": f"sqlite:{work}/lake.sqlite", "data_path": f"{work}/data"},
+        "output_dir": f"{work}/out",
+        "rollout": {"problems_per_batch": 8, "segment_tokens": 8},
+        "data": {"num_batches": BATCHES},
+        "tracking": {"mlflow_tracking_uri": f"sqlite:///{work}/mlflow.db"},
+    }
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     store = SegmentStore(config["store"]["catalog_url"], config["store"]["data_path"])  # created before the run
     args = [sys.executable, "-m", "flows.cli", command, "--config", str(work / "config.yaml"), "--run-id", RUN]
@@ -65,9 +69,13 @@ def measure(command: str, timeout_s: float) -> dict:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    figures = {"exit_s": exit_s, "returncode": process.returncode if exit_s is not None else None,
-               "segments_at_signal": at_signal, "segments_at_exit": store.count("segments", RUN),
-               "batches_done": sum(store.has_event(RUN, f"batch_done:{b}") for b in range(BATCHES))}
+    figures = {
+        "exit_s": exit_s,
+        "returncode": process.returncode if exit_s is not None else None,
+        "segments_at_signal": at_signal,
+        "segments_at_exit": store.count("segments", RUN),
+        "batches_done": sum(store.has_event(RUN, f"batch_done:{b}") for b in range(BATCHES)),
+    }
     store.close()
     shutil.rmtree(work)
     return figures
@@ -78,11 +86,21 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for an exit")
     args = parser.parse_args()
     figures = {command: measure(command, args.timeout) for command in ("rollout", "train")}
-    print_rows("exit after SIGTERM (tiny model, 4 batches of 8 problems)",
-               ["command", "exit s", "status", "segments at signal", "at exit", "batches finished"],
-               [[command, f"{f['exit_s']:.1f}" if f["exit_s"] is not None else f"did not exit in {args.timeout:.0f} s",
-                 f["returncode"], f["segments_at_signal"], f["segments_at_exit"], f["batches_done"]]
-                for command, f in figures.items()])
+    print_rows(
+        "exit after SIGTERM (tiny model, 4 batches of 8 problems)",
+        ["command", "exit s", "status", "segments at signal", "at exit", "batches finished"],
+        [
+            [
+                command,
+                f"{f['exit_s']:.1f}" if f["exit_s"] is not None else f"did not exit in {args.timeout:.0f} s",
+                f["returncode"],
+                f["segments_at_signal"],
+                f["segments_at_exit"],
+                f["batches_done"],
+            ]
+            for command, f in figures.items()
+        ],
+    )
     print(f"written to {write_results('stop_latency', figures)}")
 
 

@@ -25,10 +25,21 @@ TOKENS = 2000
 
 
 def samples_and_segments(prefix: str, n: int, tokens: int, group: int, rng):
-    samples = [SampleRow(f"{prefix}{i}", f"p{i // group}", "solver", 0, f"{prefix}g{i // group}", group, [1, 2, 3])
-               for i in range(n)]
-    segments = [SegmentRow(s.sample_id, 0, rng.integers(0, 32000, tokens, dtype=np.int32),
-                           -rng.random(tokens, dtype=np.float32), 0, "stop") for s in samples]
+    samples = [
+        SampleRow(f"{prefix}{i}", f"p{i // group}", "solver", 0, f"{prefix}g{i // group}", group, [1, 2, 3])
+        for i in range(n)
+    ]
+    segments = [
+        SegmentRow(
+            s.sample_id,
+            0,
+            rng.integers(0, 32000, tokens, dtype=np.int32),
+            -rng.random(tokens, dtype=np.float32),
+            0,
+            "stop",
+        )
+        for s in samples
+    ]
     return samples, segments
 
 
@@ -53,16 +64,19 @@ def main() -> None:
         con = store._con
         start = time.perf_counter()
         for s in segments:
-            con.execute(f"INSERT INTO {CATALOG}.segments VALUES (?, ?, ?, ?, ?, ?, ?, current_timestamp)",
-                        [RUN, s.sample_id, 0, s.token_ids.tolist(), s.logprobs.tolist(), 0, "stop"])
+            con.execute(
+                f"INSERT INTO {CATALOG}.segments VALUES (?, ?, ?, ?, ?, ?, ?, current_timestamp)",
+                [RUN, s.sample_id, 0, s.token_ids.tolist(), s.logprobs.tolist(), 0, "stop"],
+            )
         rowwise_s = time.perf_counter() - start
         rowwise_tokens = 10 * TOKENS
 
         # 100K samples (tiny segments), all rewarded, a tenth consumed; time "list trainable groups".
         for k in range(10):
             samples, segments = samples_and_segments(f"L{k}-", 10_000, 4, 8, rng)
-            store.append(RUN, samples=samples, segments=segments,
-                         rewards=[RewardRow(s.sample_id, 1.0, True) for s in samples])
+            store.append(
+                RUN, samples=samples, segments=segments, rewards=[RewardRow(s.sample_id, 1.0, True) for s in samples]
+            )
         consumed = [f"L0-{i}" for i in range(10_000)]
         store.commit_step(RUN, 1, {"solver": consumed}, "ckpt/1")
         groups = store.trainable_groups(RUN, "solver", limit=64)  # warm-up
@@ -82,19 +96,30 @@ def main() -> None:
         compaction = store.compact()
 
     bulk_tps, row_tps = bulk_tokens / bulk_s, rowwise_tokens / rowwise_s
-    print_rows("segment store", ["measure", "value"], [
-        ["bulk write tokens/s (store API, Arrow)", bulk_tps],
-        ["row-by-row tokens/s (bound list params)", row_tps],
-        ["bulk / row-by-row", bulk_tps / row_tps],
-        [f"list trainable groups, {samples_total:,} samples (median ms)", list_ms],
-        ["data files before compaction", compaction["files_before"]],
-        ["data files after compaction", compaction["files_after"]],
-    ])
-    path = write_results("store", {
-        "bulk_tokens_per_s": bulk_tps, "rowwise_tokens_per_s": row_tps, "bulk_over_rowwise": bulk_tps / row_tps,
-        "list_trainable_ms_100k": list_ms, "samples_stored": samples_total,
-        "files_before_compaction": compaction["files_before"], "files_after_compaction": compaction["files_after"],
-    })
+    print_rows(
+        "segment store",
+        ["measure", "value"],
+        [
+            ["bulk write tokens/s (store API, Arrow)", bulk_tps],
+            ["row-by-row tokens/s (bound list params)", row_tps],
+            ["bulk / row-by-row", bulk_tps / row_tps],
+            [f"list trainable groups, {samples_total:,} samples (median ms)", list_ms],
+            ["data files before compaction", compaction["files_before"]],
+            ["data files after compaction", compaction["files_after"]],
+        ],
+    )
+    path = write_results(
+        "store",
+        {
+            "bulk_tokens_per_s": bulk_tps,
+            "rowwise_tokens_per_s": row_tps,
+            "bulk_over_rowwise": bulk_tps / row_tps,
+            "list_trainable_ms_100k": list_ms,
+            "samples_stored": samples_total,
+            "files_before_compaction": compaction["files_before"],
+            "files_after_compaction": compaction["files_after"],
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -24,7 +24,8 @@ store's growth.
 
 Run: `python benchmarks/store_memory.py` (`--only append,append_reopened` runs some variants).
 Writes benchmarks/results/store_memory.json with, per variant, rss_start_mb, rss_end_mb,
-kb_per_operation, malloc_in_use_kb_per_operation, duckdb_allocator_resident_kb_per_operation, and object_cache_mb and object_cache_kb_per_operation
+kb_per_operation, malloc_in_use_kb_per_operation, duckdb_allocator_resident_kb_per_operation, and
+object_cache_mb and object_cache_kb_per_operation
 (DuckDB's object cache, by its own estimate, at the end and its growth per call; DuckLake keeps each
 table's statistics there per snapshot), ms_per_operation (wall clock, side by side in one run), and
 for the served variants store_process_rss_end_mb and store_process_replacements. Each variant runs in
@@ -46,9 +47,20 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from benchmarks.common import print_rows, write_results  # noqa: E402
 
 CALLS, WARMUP = 2000, 250
-VARIANTS = ("select_1", "lake_count", "lake_count_unfiltered", "lake_count_int_filter", "lake_count_unpushed_filter",
-            "trainable_groups", "append", "append_compacted", "append_reopened", "duckdb_join",
-            "trainable_groups_served", "append_served")
+VARIANTS = (
+    "select_1",
+    "lake_count",
+    "lake_count_unfiltered",
+    "lake_count_int_filter",
+    "lake_count_unpushed_filter",
+    "trainable_groups",
+    "append",
+    "append_compacted",
+    "append_reopened",
+    "duckdb_join",
+    "trainable_groups_served",
+    "append_served",
+)
 REOPEN_EVERY = 300
 
 
@@ -56,8 +68,10 @@ def finished(rows) -> dict[str, list]:
     """A 20-token segment and a reward for each sample row: what finishing them appends."""
     from marsrl_core.store import RewardRow, SegmentRow
 
-    return {"segments": [SegmentRow(r.sample_id, 0, [1] * 20, [-0.1] * 20, 0, "stop") for r in rows],
-            "rewards": [RewardRow(r.sample_id, 1.0, True) for r in rows]}
+    return {
+        "segments": [SegmentRow(r.sample_id, 0, [1] * 20, [-0.1] * 20, 0, "stop") for r in rows],
+        "rewards": [RewardRow(r.sample_id, 1.0, True) for r in rows],
+    }
 
 
 def malloc_in_use_mb() -> float:
@@ -65,8 +79,22 @@ def malloc_in_use_mb() -> float:
     import ctypes
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
+
     try:
         mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError):
@@ -102,14 +130,15 @@ def measure(variant: str) -> dict[str, float]:
     import psutil
 
     from marsrl_core.store import SampleRow, SegmentStore
-    from marsrl_core.store_process import StoreProcess
+    from marsrl_core.store.process import StoreProcess
 
     with tempfile.TemporaryDirectory() as tmp:
         paths = (f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
         store = StoreProcess(*paths) if variant.endswith("_served") else SegmentStore(*paths)
         for b in range(30):
-            rows = [SampleRow(uuid.uuid4().hex, f"b{b}", "solver", 0, f"g{b}-{i // 16}", 16, [1, 2, 3])
-                    for i in range(64)]
+            rows = [
+                SampleRow(uuid.uuid4().hex, f"b{b}", "solver", 0, f"g{b}-{i // 16}", 16, [1, 2, 3]) for i in range(64)
+            ]
             store.append("r", samples=rows)
             store.append("r", **finished(rows))
 
@@ -124,8 +153,14 @@ def measure(variant: str) -> dict[str, float]:
                 store = SegmentStore(*paths, create=False)
 
         def object_cache_mb() -> float:
-            return store.query("SELECT coalesce(sum(memory_usage_bytes), 0) / 2**20 AS mb FROM duckdb_memory() "
-                               "WHERE tag = 'OBJECT_CACHE'").column("mb")[0].as_py()
+            return (
+                store.query(
+                    "SELECT coalesce(sum(memory_usage_bytes), 0) / 2**20 AS mb FROM duckdb_memory() "
+                    "WHERE tag = 'OBJECT_CACHE'"
+                )
+                .column("mb")[0]
+                .as_py()
+            )
 
         plain = duckdb_connection_with_join_tables() if variant == "duckdb_join" else None
         operations = {
@@ -136,8 +171,11 @@ def measure(variant: str) -> dict[str, float]:
             "lake_count_int_filter": lambda call: store.query("SELECT count(*) FROM samples WHERE turn = ?", [0]),
             # the text filter written so that DuckDB cannot push it into the DuckLake scan
             "lake_count_unpushed_filter": lambda call: store.query(
-                "SELECT count(*) FROM samples WHERE concat(run_id, '') = ?", ["r"]),
-            "trainable_groups": lambda call: store.trainable_groups_by_agent("r", ["solver", "verifier", "corrector"], 4),
+                "SELECT count(*) FROM samples WHERE concat(run_id, '') = ?", ["r"]
+            ),
+            "trainable_groups": lambda call: store.trainable_groups_by_agent(
+                "r", ["solver", "verifier", "corrector"], 4
+            ),
             "append": append,
             "append_compacted": append,
             "append_reopened": append,
@@ -157,14 +195,18 @@ def measure(variant: str) -> dict[str, float]:
         replacements = store.recycled if served else 0
         store.close()
     per_call = 1024 / (CALLS - WARMUP)
-    return {"ms_per_operation": 1000 * (clock[CALLS] - clock[WARMUP]) / (CALLS - WARMUP),
-            "store_process_rss_end_mb": child_mb, "store_process_replacements": replacements,
-            "rss_start_mb": rss[WARMUP], "rss_end_mb": rss[CALLS],
-            "kb_per_operation": (rss[CALLS] - rss[WARMUP]) * per_call,
-            "malloc_in_use_kb_per_operation": (in_use[CALLS] - in_use[WARMUP]) * per_call,
-            "duckdb_allocator_resident_kb_per_operation": (jemalloc[CALLS] - jemalloc[WARMUP]) * per_call,
-            "object_cache_mb": cache[CALLS],
-            "object_cache_kb_per_operation": (cache[CALLS] - cache[WARMUP]) * per_call}
+    return {
+        "ms_per_operation": 1000 * (clock[CALLS] - clock[WARMUP]) / (CALLS - WARMUP),
+        "store_process_rss_end_mb": child_mb,
+        "store_process_replacements": replacements,
+        "rss_start_mb": rss[WARMUP],
+        "rss_end_mb": rss[CALLS],
+        "kb_per_operation": (rss[CALLS] - rss[WARMUP]) * per_call,
+        "malloc_in_use_kb_per_operation": (in_use[CALLS] - in_use[WARMUP]) * per_call,
+        "duckdb_allocator_resident_kb_per_operation": (jemalloc[CALLS] - jemalloc[WARMUP]) * per_call,
+        "object_cache_mb": cache[CALLS],
+        "object_cache_kb_per_operation": (cache[CALLS] - cache[WARMUP]) * per_call,
+    }
 
 
 def duckdb_connection_with_join_tables():
@@ -186,17 +228,44 @@ def main() -> None:
         raise SystemExit(f"--only: unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     figures = {}
     for variant in selected:
-        out = subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True,
-                             check=True).stdout.strip().splitlines()[-1]
+        out = (
+            subprocess.run([sys.executable, __file__, "--variant", variant], capture_output=True, text=True, check=True)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         figures[variant] = json.loads(out)
-    print_rows(f"Memory growth over {CALLS - WARMUP} repeated operations", ["operation", "RSS after warm-up MB",
-               "RSS at end MB", "RSS KB per operation", "live malloc KB per operation",
-               "DuckDB jemalloc resident KB per operation", "object cache MB", "object cache KB per operation",
-               "ms per operation", "store process MB at end", "store process replacements"],
-               [[v, f["rss_start_mb"], f["rss_end_mb"], f["kb_per_operation"], f["malloc_in_use_kb_per_operation"],
-                 f["duckdb_allocator_resident_kb_per_operation"], f["object_cache_mb"],
-                 f["object_cache_kb_per_operation"], f["ms_per_operation"], f["store_process_rss_end_mb"],
-                 f["store_process_replacements"]] for v, f in figures.items()])
+    print_rows(
+        f"Memory growth over {CALLS - WARMUP} repeated operations",
+        [
+            "operation",
+            "RSS after warm-up MB",
+            "RSS at end MB",
+            "RSS KB per operation",
+            "live malloc KB per operation",
+            "DuckDB jemalloc resident KB per operation",
+            "object cache MB",
+            "object cache KB per operation",
+            "ms per operation",
+            "store process MB at end",
+            "store process replacements",
+        ],
+        [
+            [
+                v,
+                f["rss_start_mb"],
+                f["rss_end_mb"],
+                f["kb_per_operation"],
+                f["malloc_in_use_kb_per_operation"],
+                f["duckdb_allocator_resident_kb_per_operation"],
+                f["object_cache_mb"],
+                f["object_cache_kb_per_operation"],
+                f["ms_per_operation"],
+                f["store_process_rss_end_mb"],
+                f["store_process_replacements"],
+            ]
+            for v, f in figures.items()
+        ],
+    )
     print(f"written to {write_results('store_memory', figures)}")
 
 

@@ -22,8 +22,12 @@ from marsrl_core.config import MarsRLConfig
 def deployments(config: MarsRLConfig, train_cron: str | None = "0 2 * * *", maintenance_cron: str | None = "0 * * * *"):
     params = {"config": config.model_dump(mode="json")}
     return [
-        train_flow.to_deployment(name="marsrl-train", cron=train_cron, parameters=params,
-                                 description="MarsRL training run: rollouts and learner concurrently, then evaluation."),
+        train_flow.to_deployment(
+            name="marsrl-train",
+            cron=train_cron,
+            parameters=params,
+            description="MarsRL training run: rollouts and learner concurrently, then evaluation.",
+        ),
         rollout_flow.to_deployment(name="marsrl-rollout", parameters=params | {"run_id": "manual", "batch_index": 0}),
         learner_flow.to_deployment(name="marsrl-learner", parameters=params | {"run_id": "manual"}),
         evaluate_flow.to_deployment(name="marsrl-evaluate", parameters=params | {"run_id": "manual"}),

@@ -21,14 +21,14 @@ from pathlib import Path
 
 from marsrl_core import cli as core_cli
 from marsrl_core.config import ConfigError
-from marsrl_core.jobs import print_report, train_summary
+from marsrl_core.runtime.jobs import print_report, train_summary
 
 STORE_LOCK_RETRIES = "store_lock_retries"  # run event written when a split-run process ends: "<process>:<n>"
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.train import train_flow
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
 
     cfg = core_cli._config(args)
     if args.resume:
@@ -94,7 +94,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from flows.rollout import rollouts_flow
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
 
     cfg = core_cli._config(args)
     rollouts_flow(cfg, args.run_id, args.batches or None, finish=args.finish)
@@ -105,8 +105,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 def cmd_learn(args: argparse.Namespace) -> int:
     from flows.learner import learner_flow
-
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
 
     cfg = core_cli._config(args)
     steps = learner_flow(cfg, args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
@@ -126,15 +125,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _run_id(required: bool):
     def setup(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--run-id", required=required, default=None, help="The training run (store and MLflow).")
+
     return setup
 
 
 def _train_setup(parser: argparse.ArgumentParser) -> None:
     _run_id(False)(parser)
-    parser.add_argument("--resume", metavar="RUN", default=None,
-                        help="Continue a killed run with its stored config (the store located by --config/--set).")
-    parser.add_argument("--results", default="benchmarks/results/train.json",
-                        help="Where to write the run's figures as JSON ('' for nowhere).")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN",
+        default=None,
+        help="Continue a killed run with its stored config (the store located by --config/--set).",
+    )
+    parser.add_argument(
+        "--results",
+        default="benchmarks/results/train.json",
+        help="Where to write the run's figures as JSON ('' for nowhere).",
+    )
 
 
 def _ablate_setup(parser: argparse.ArgumentParser) -> None:
@@ -160,10 +167,17 @@ def _serve_setup(parser: argparse.ArgumentParser) -> None:
 
 
 COMMANDS = {
-    "train": (cmd_train, "Run the main job: MarsRL training with evaluation before and after (make train).",
-              _train_setup),
-    "ablate": (cmd_ablate, "Train each ablation (same seed and budgets) and compare: shared reward, synchronous, "
-               "random selection, per-agent policies.", _ablate_setup),
+    "train": (
+        cmd_train,
+        "Run the main job: MarsRL training with evaluation before and after (make train).",
+        _train_setup,
+    ),
+    "ablate": (
+        cmd_ablate,
+        "Train each ablation (same seed and budgets) and compare: shared reward, synchronous, "
+        "random selection, per-agent policies.",
+        _ablate_setup,
+    ),
     "sft": (cmd_sft, "Warm-start the policy with SFT on synthetic demonstrations (cached by config).", None),
     "rollout": (cmd_rollout, "Run rollout flows for a run (one side of a split rollout/learner run).", _rollout_setup),
     "learn": (cmd_learn, "Run the learner flow for a run (the other side of a split run).", _learn_setup),

@@ -9,5 +9,7 @@ from tasks.evaluation import evaluate
 
 
 @flow(name="evaluate", log_prints=True)
-def evaluate_flow(config: MarsRLConfig = default_config(), run_id: str = "manual", label: str = "eval", checkpoint: str | None = None) -> dict:
+def evaluate_flow(
+    config: MarsRLConfig = default_config(), run_id: str = "manual", label: str = "eval", checkpoint: str | None = None
+) -> dict:
     return evaluate(config, run_id, label, checkpoint)

@@ -11,8 +11,8 @@ import time
 
 from prefect import flow
 
-from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
+from marsrl_core.runtime import workers
 from tasks.evaluation import compact
 from tasks.learner import train_step
 
@@ -21,8 +21,13 @@ MAX_IDLE_POLL_S = 1.0  # the longest wait between two polls of an idle learner
 
 
 @flow(name="learner", log_prints=True)
-def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual", max_steps: int | None = None, poll_s: float = 0.2,
-                 idle_timeout_s: float = 3600.0) -> int:
+def learner_flow(
+    config: MarsRLConfig = default_config(),
+    run_id: str = "manual",
+    max_steps: int | None = None,
+    poll_s: float = 0.2,
+    idle_timeout_s: float = 3600.0,
+) -> int:
     budget = max_steps or config.learner.max_steps
     learner = workers.learner_for(config, run_id, workers.tracker_for(config, run_id))
     idle_since, finished, wait_s = time.monotonic(), False, poll_s
@@ -42,7 +47,9 @@ def learner_flow(config: MarsRLConfig = default_config(), run_id: str = "manual"
         print(f"learner stopped at step {learner.step} of {budget}: its process is stopping")
         return learner.step
     if finished and learner.step < budget:
-        print(f"learner stopped at step {learner.step} of {budget}: the rollouts finished and no complete group "
-              "is left to train on")
+        print(
+            f"learner stopped at step {learner.step} of {budget}: the rollouts finished and no complete group "
+            "is left to train on"
+        )
     learner.log_newest_checkpoint()
     return learner.step

@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 from prefect import flow
 
 from flows.subflows import parent_heartbeat_only
-from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
-from marsrl_core.rollout import agent_of_turn
+from marsrl_core.rollout.scheduler import agent_of_turn
+from marsrl_core.runtime import workers
 from tasks.rollout import record_batch, rollout_turn
 
 T = TypeVar("T")
@@ -104,8 +104,9 @@ class DecodeSlots:
             if queued:
                 slots._started.add(batch_index)
                 slots._changed.notify_all()
-                slots._changed.wait_for(lambda: slots._closed or (
-                    slots._waiting[0] == batch_index and slots._decoding < slots.limit))
+                slots._changed.wait_for(
+                    lambda: slots._closed or (slots._waiting[0] == batch_index and slots._decoding < slots.limit)
+                )
                 got_slot = not slots._closed
                 if got_slot:
                     slots._waiting.pop(0)
@@ -126,8 +127,9 @@ class DecodeSlots:
 
 
 @flow(name="rollout", log_prints=True)
-def rollout_flow(config: MarsRLConfig = default_config(), run_id: str = "manual",
-                 batch_index: int = 0) -> list[dict[str, int]] | None:
+def rollout_flow(
+    config: MarsRLConfig = default_config(), run_id: str = "manual", batch_index: int = 0
+) -> list[dict[str, int]] | None:
     """Decode one batch, turn by turn; None when the run was asked to stop before the batch had a slot."""
     with DecodeSlots.hold(run_id, batch_index) as go:
         return _decode_batch(config, run_id, batch_index) if go else None
@@ -159,8 +161,9 @@ def _rollout_subflow(config: MarsRLConfig, run_id: str, batch_index: int) -> int
     return None if turns is None else sum(turn["stages"] for turn in turns)
 
 
-def keep_in_flight(items: Iterable[T], limit: int, submit: Callable[[T], Any],
-                   stop: Callable[[], bool] = lambda: False) -> Iterator[Any]:
+def keep_in_flight(
+    items: Iterable[T], limit: int, submit: Callable[[T], Any], stop: Callable[[], bool] = lambda: False
+) -> Iterator[Any]:
     """`submit(item)` for each item in order, at most `limit` unfinished at a time; the oldest is awaited
     (`.result()` of the future `submit` returned) before the next starts. `stop` is asked before each new
     item; once it says so, those running finish and no more start. Yields the finished items' results,
@@ -175,8 +178,9 @@ def keep_in_flight(items: Iterable[T], limit: int, submit: Callable[[T], Any],
             yield running.pop(0).result()
 
 
-def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
-                stop: Callable[[], bool] = lambda: False) -> dict[str, int]:
+def run_batches(
+    config: MarsRLConfig, run_id: str, batches: Iterable[int], stop: Callable[[], bool] = lambda: False
+) -> dict[str, int]:
     """Rollout flows for `batches`, in order, as subflows of the calling flow (each in a thread of its
     own): `rollout.batches_in_flight` of them decoding at a time and `PREPARED_AHEAD` more set up and
     waiting for a decode slot; see `keep_in_flight` and `DecodeSlots`. Returns how many batches decoded
@@ -213,8 +217,12 @@ def run_batches(config: MarsRLConfig, run_id: str, batches: Iterable[int],
 
 
 @flow(name="rollouts", log_prints=True)
-def rollouts_flow(config: MarsRLConfig = default_config(), run_id: str = "manual", batches: list[int] | None = None,
-                  finish: bool = False) -> dict[str, int]:
+def rollouts_flow(
+    config: MarsRLConfig = default_config(),
+    run_id: str = "manual",
+    batches: list[int] | None = None,
+    finish: bool = False,
+) -> dict[str, int]:
     """Rollout flows for `batches` (default: all of the run's), `batches_in_flight` at a time, as
     subflows under one heartbeat: the rollout side of a split run (`marsrl rollout`). Once a
     `stop_requested` run event is recorded it starts no new batch (those running finish); with `finish`

@@ -23,8 +23,8 @@ from flows.learner import ROLLOUTS_FINISHED, learner_flow
 from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
 from flows.subflows import parent_heartbeat_only
-from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig, default_config
+from marsrl_core.runtime import workers
 
 
 @task(name="run-learner-flow", cache_policy=NO_CACHE)
@@ -34,8 +34,12 @@ def _learner(config: MarsRLConfig, run_id: str) -> int:
 
 
 @flow(name="train", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
-def train_flow(config: MarsRLConfig = default_config(), run_id: str | None = None,
-               evaluate_before: bool = True, evaluate_after: bool = True) -> dict:
+def train_flow(
+    config: MarsRLConfig = default_config(),
+    run_id: str | None = None,
+    evaluate_before: bool = True,
+    evaluate_after: bool = True,
+) -> dict:
     if config.sft.enabled and config.model.path is None:  # warm start first (cached); a resumed run has its path
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": sft_flow(config)})})
     run_id = run_id or f"{config.run_name}-{uuid.uuid4().hex[:8]}"

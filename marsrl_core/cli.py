@@ -28,8 +28,14 @@ console = Console()
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny", help="Preset to start from: tiny (CPU demo) or paper.")
     parser.add_argument("--config", dest="config_file", default=None, help="YAML file merged over the preset.")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="Override one field, e.g. --set rollout.segment_tokens=1024 (repeatable).")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Override one field, e.g. --set rollout.segment_tokens=1024 (repeatable).",
+    )
 
 
 def _config(args: argparse.Namespace) -> MarsRLConfig:
@@ -61,9 +67,11 @@ def cmd_sql(args: argparse.Namespace) -> int:
     if args.query:
         print_table(store.query(args.query))
         return 0
-    console.print("MarsRL store console: tables runs, problems, samples, segments, rewards, consumptions, "
-                  "policy_versions, train_steps, rejected_inputs; views rewards_per_agent, pipeline_latency, "
-                  "staleness, in_flight_decodes. End with Ctrl-D.")
+    console.print(
+        "MarsRL store console: tables runs, problems, samples, segments, rewards, consumptions, "
+        "policy_versions, train_steps, rejected_inputs; views rewards_per_agent, pipeline_latency, "
+        "staleness, in_flight_decodes. End with Ctrl-D."
+    )
     while True:
         try:
             text = input("marsrl> ").strip()
@@ -90,7 +98,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import uuid
 
-    from marsrl_core.jobs import evaluate_policy, print_report
+    from marsrl_core.runtime.jobs import evaluate_policy, print_report
     from marsrl_core.store import SegmentStore
 
     cfg = _config(args)
@@ -108,8 +116,10 @@ def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentP
     """The parser with the library's commands plus `extra_commands` (name -> (handler, help, setup)).
 
     The Prefect layer (`flows/cli.py`) adds its commands here, so this module never imports it."""
-    parser = argparse.ArgumentParser(prog="marsrl", description="MarsRL: multi-agent reasoning RL "
-                                     "(Solver, Verifier, Corrector) with segment rollouts.")
+    parser = argparse.ArgumentParser(
+        prog="marsrl",
+        description="MarsRL: multi-agent reasoning RL (Solver, Verifier, Corrector) with segment rollouts.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {
         "eval": (cmd_eval, "Evaluate Solver, Verifier, Corrector and the V-C loop (set evaluation.dataset=FILE)."),
@@ -117,8 +127,9 @@ def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentP
         "sql": (cmd_sql, "Query a run's store with SQL (works while a run is writing)."),
         "compact": (cmd_compact, "DuckLake maintenance: merge small files, expire snapshots."),
     }
-    setups = {"sql": lambda c: c.add_argument("query", nargs="?",
-                                              help="SQL to run; without it an interactive prompt opens.")}
+    setups = {
+        "sql": lambda c: c.add_argument("query", nargs="?", help="SQL to run; without it an interactive prompt opens.")
+    }
     for name, (handler, help_text, setup) in (extra_commands or {}).items():
         commands[name] = (handler, help_text)
         setups[name] = setup
@@ -132,9 +143,9 @@ def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentP
 
 
 def main(argv: Sequence[str] | None = None, extra_commands: dict | None = None) -> int:
-    from marsrl_core.checkpoint import CheckpointError
+    from marsrl_core.agents.problems import DatasetError
     from marsrl_core.engines.base import EngineError
-    from marsrl_core.problems import DatasetError
+    from marsrl_core.learn.checkpoint import CheckpointError
     from marsrl_core.store import StoreError
 
     args = build_parser(extra_commands)[0].parse_args(argv)

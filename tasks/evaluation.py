@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig
+from marsrl_core.runtime import workers
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)

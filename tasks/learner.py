@@ -7,8 +7,8 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from marsrl_core import workers
 from marsrl_core.config import MarsRLConfig
+from marsrl_core.runtime import workers
 
 
 @task(name="train-step", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)

@@ -1,12 +1,12 @@
-"""The SFT task: one call into `marsrl_core.sft`."""
+"""The SFT task: one call into `marsrl_core.demo.sft`."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from marsrl_core import sft
 from marsrl_core.config import MarsRLConfig
+from marsrl_core.demo import sft
 
 
 @task(name="sft-warm-start", cache_policy=NO_CACHE)

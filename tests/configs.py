@@ -11,8 +11,12 @@ from marsrl_core.config import MarsRLConfig, load_config
 
 def _under(tmp_path) -> dict[str, str]:
     """Overrides that put a run's store, outputs and MLflow database under `tmp_path`."""
-    return {"store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "store.data_path": f"{tmp_path}/data",
-            "output_dir": f"{tmp_path}/out", "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}
+    return {
+        "store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite",
+        "store.data_path": f"{tmp_path}/data",
+        "output_dir": f"{tmp_path}/out",
+        "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+    }
 
 
 def small_config(tmp_path, **extra) -> MarsRLConfig:
@@ -20,12 +24,24 @@ def small_config(tmp_path, **extra) -> MarsRLConfig:
     downstream count is pinned too: override both to change the step's size)."""
     overrides = {
         **_under(tmp_path),
-        "rollout.num_generations": 4, "rollout.downstream_generations": 2, "rollout.problems_per_batch": 2,
-        "rollout.segment_tokens": 8, "rollout.solver_max_tokens": 16, "rollout.verifier_max_tokens": 16,
-        "rollout.corrector_max_tokens": 16, "rollout.max_turns": 3, "data.num_batches": 2,
-        "learner.groups_per_step": 1, "learner.downstream_groups_per_step": 1, "learner.max_steps": 2,
-        "evaluation.num_problems": 2, "evaluation.k": 1,
-        "evaluation.max_rounds": 1, "sft.enabled": False, **extra}
+        "rollout.num_generations": 4,
+        "rollout.downstream_generations": 2,
+        "rollout.problems_per_batch": 2,
+        "rollout.segment_tokens": 8,
+        "rollout.solver_max_tokens": 16,
+        "rollout.verifier_max_tokens": 16,
+        "rollout.corrector_max_tokens": 16,
+        "rollout.max_turns": 3,
+        "data.num_batches": 2,
+        "learner.groups_per_step": 1,
+        "learner.downstream_groups_per_step": 1,
+        "learner.max_steps": 2,
+        "evaluation.num_problems": 2,
+        "evaluation.k": 1,
+        "evaluation.max_rounds": 1,
+        "sft.enabled": False,
+        **extra,
+    }
     return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()])
 
 
@@ -34,9 +50,18 @@ def process_config_file(tmp_path, name: str, **sections) -> Path:
     `sections` (data, learner, ...) are added as given."""
     config = {
         "store": {"catalog_url": f"sqlite:{tmp_path}/lake.sqlite", "data_path": f"{tmp_path}/data"},
-        "output_dir": f"{tmp_path}/out", "tracking": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
-        "rollout": {"num_generations": 4, "downstream_generations": 2, "problems_per_batch": 2, "segment_tokens": 8,
-                    "solver_max_tokens": 24, "verifier_max_tokens": 16, "corrector_max_tokens": 24, "max_turns": 3},
+        "output_dir": f"{tmp_path}/out",
+        "tracking": {"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+        "rollout": {
+            "num_generations": 4,
+            "downstream_generations": 2,
+            "problems_per_batch": 2,
+            "segment_tokens": 8,
+            "solver_max_tokens": 24,
+            "verifier_max_tokens": 16,
+            "corrector_max_tokens": 24,
+            "max_turns": 3,
+        },
         **sections,
     }
     path = Path(tmp_path) / f"{name}.yaml"
@@ -54,11 +79,13 @@ def learning_config(tmp_path, seed: int = 0, extra: list[str] | None = None) -> 
     """The short learning run under `tmp_path`, with `seed` for RL sampling and the held-out problems
     (the warm start stays the committed one of the tiny preset, made with the preset's own seed);
     `extra` overrides (`key=value`) come last."""
-    from marsrl_core.sft import COMMITTED, find_warm_start
+    from marsrl_core.demo.sft import COMMITTED, find_warm_start
 
     folder = find_warm_start(load_config("tiny"))
     if folder is None or folder.parent != COMMITTED:
-        raise RuntimeError(f"no committed warm start for the tiny preset in {COMMITTED} (make it with "
-                           "`marsrl sft --set output_dir=demo/warm-starts`)")
+        raise RuntimeError(
+            f"no committed warm start for the tiny preset in {COMMITTED} (make it with "
+            "`marsrl sft --set output_dir=demo/warm-starts`)"
+        )
     overrides = {**_under(tmp_path), "model.path": str(folder), "seed": seed, **LEARNING_RUN}
     return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()] + list(extra or []))

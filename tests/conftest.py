@@ -11,14 +11,12 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="marsrl-tests-prefect-")
 
 from marsrl_core.store import SegmentStore  # noqa: E402  (after PREFECT_HOME: it may import Prefect's settings)
-
 from tests import worktree  # noqa: E402
 
 
@@ -54,6 +52,6 @@ def store(store_paths):
 def close_worker_stores():
     """After each test, close the stores `workers.store_for` opened (each serves from a child process)."""
     yield
-    workers = sys.modules.get("marsrl_core.workers")
+    workers = sys.modules.get("marsrl_core.runtime.workers")
     if workers is not None:
         workers.close_stores()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from marsrl_core.demo.tiny import build_tiny_tokenizer
 from marsrl_core.engines.base import SegmentRequest, SegmentResult
-from marsrl_core.tiny import build_tiny_tokenizer
 
 
 class ScriptedEngine:
@@ -32,12 +32,14 @@ class ScriptedEngine:
                 self.calls.append(prompt)
                 text = self.script(prompt)
                 self._outputs[key] = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [
-                    self.tokenizer.eos_token_id]
+                    self.tokenizer.eos_token_id
+                ]
             full = self._outputs[key]
             start = len(r.prefix_ids)
-            piece = full[start:start + r.max_new_tokens]
-            results.append(SegmentResult(piece, [0.0] * len(piece), start + len(piece) == len(full),
-                                         self.policy_version))
+            piece = full[start : start + r.max_new_tokens]
+            results.append(
+                SegmentResult(piece, [0.0] * len(piece), start + len(piece) == len(full), self.policy_version)
+            )
         return results
 
     def update_weights(self, version, weights) -> None:

@@ -1,9 +1,9 @@
 """Worker processes for the store's multi-process tests (run as scripts, not collected by pytest).
 
-    writer CATALOG DATA RUN SECONDS   append samples + segments + rewards; print the running totals
-    reader CATALOG DATA RUN SECONDS   read the views and commit consumptions of trainable groups
-    killme CATALOG DATA RUN           append big batches forever, announcing each one on stdout
-    open CATALOG DATA RUN AT          open the store (creating it if new) at time AT, print a row count
+writer CATALOG DATA RUN SECONDS   append samples + segments + rewards; print the running totals
+reader CATALOG DATA RUN SECONDS   read the views and commit consumptions of trainable groups
+killme CATALOG DATA RUN           append big batches forever, announcing each one on stdout
+open CATALOG DATA RUN AT          open the store (creating it if new) at time AT, print a row count
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def batch(tag: str, groups: int, tokens: int, rng: np.random.Generator):
         for m in range(GROUP):
             sid = f"{tag}-g{g}-m{m}"
             samples.append(SampleRow(sid, f"p{g}", "solver", 0, f"{tag}-g{g}", GROUP, [1, 2, 3]))
-            segments.append(SegmentRow(sid, 0, rng.integers(0, 100, tokens), -rng.random(tokens).astype(np.float32),
-                                       0, "stop"))
+            segments.append(
+                SegmentRow(sid, 0, rng.integers(0, 100, tokens), -rng.random(tokens).astype(np.float32), 0, "stop")
+            )
             rewards.append(RewardRow(sid, float(m % 2), bool(m % 2)))
     return samples, segments, rewards
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from marsrl_core.algorithms import chunked_logprobs, group_advantages, naive_logprobs, policy_loss
+from marsrl_core.learn.algorithms import chunked_logprobs, group_advantages, naive_logprobs, policy_loss
 
 
 def test_group_advantages_by_hand():
@@ -47,8 +47,9 @@ def test_policy_loss_by_hand():
 
 def test_on_policy_ratio_is_exactly_one_and_kl_zero_against_itself():
     lp = torch.tensor([[-1.2, -0.3]], requires_grad=True)
-    out = policy_loss(lp, lp.detach().clone(), torch.tensor([1.0]), torch.ones(1, 2), beta=0.1,
-                      ref_logprobs=lp.detach().clone())
+    out = policy_loss(
+        lp, lp.detach().clone(), torch.tensor([1.0]), torch.ones(1, 2), beta=0.1, ref_logprobs=lp.detach().clone()
+    )
     assert out.ratio_mean == 1.0 and out.ratio_max == 1.0 and out.kl == 0.0 and out.clip_fraction == 0.0
     assert float(out.loss) == pytest.approx(-1.0)
 

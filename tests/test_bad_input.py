@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from flows.cli import main
+from marsrl_core.agents.problems import Problem
+from marsrl_core.agents.roles import TINY_TEMPLATES, Roles
 from marsrl_core.config import load_config
-from marsrl_core.problems import Problem
-from marsrl_core.roles import TINY_TEMPLATES, Roles
-from marsrl_core.rollout import RolloutScheduler
+from marsrl_core.demo.tiny import build_tiny_model
+from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.store import SegmentStore
-from marsrl_core.tiny import build_tiny_model
 from tests.scripted import ScriptedEngine
 
 GOOD = json.dumps({"query": "1+2", "ans_box": "3"})
@@ -32,15 +32,18 @@ def _jsonl(lines: list[bytes]):
         path = tmp / "problems.jsonl"
         path.write_bytes(b"\n".join(lines) + b"\n")
         return ["--set", f"evaluation.dataset={path}"]
+
     return make
 
 
 def _model(edit):
     """A tiny model folder, changed by `edit(folder)` before it is given as model.path."""
+
     def make(tmp: Path) -> list[str]:
         folder = build_tiny_model(tmp / "model", hidden_size=64, num_heads=2)
         edit(folder)
         return ["--set", f"model.path={folder}"]
+
     return make
 
 
@@ -66,17 +69,42 @@ def _no_pad_token(folder: Path) -> None:
 # (name, setup -> extra CLI args, exit status, text the message must contain, rows rejected and recorded)
 CASES = [
     ("malformed dataset rows", _jsonl([b"{not json", GOOD.encode()]), 0, None, {"line 1": "invalid JSON"}),
-    ("missing answers", _jsonl([json.dumps({"query": "1+2"}).encode(), GOOD.encode()]), 0, None,
-     {"line 1": "missing field(s) 'ans_box'"}),
-    ("oversized prompts", _jsonl([json.dumps({"query": "1+" * 400 + "1", "ans_box": "1"}).encode(), GOOD.encode()]),
-     0, None, {"line 1": "over the input limit"}),
-    ("non-UTF-8 bytes", _jsonl([b'{"query": "\xff\xfe", "ans_box": "1"}', GOOD.encode()]), 0, None,
-     {"line 1": "not UTF-8"}),
+    (
+        "missing answers",
+        _jsonl([json.dumps({"query": "1+2"}).encode(), GOOD.encode()]),
+        0,
+        None,
+        {"line 1": "missing field(s) 'ans_box'"},
+    ),
+    (
+        "oversized prompts",
+        _jsonl([json.dumps({"query": "1+" * 400 + "1", "ans_box": "1"}).encode(), GOOD.encode()]),
+        0,
+        None,
+        {"line 1": "over the input limit"},
+    ),
+    (
+        "non-UTF-8 bytes",
+        _jsonl([b'{"query": "\xff\xfe", "ans_box": "1"}', GOOD.encode()]),
+        0,
+        None,
+        {"line 1": "not UTF-8"},
+    ),
     ("empty dataset", _jsonl([]), 2, "no usable problems (empty)", {}),
-    ("config with invalid values", lambda tmp: ["--set", "rollout.segment_tokens=0"], 2,
-     "rollout.segment_tokens=0", {}),
-    ("config naming an unknown field", lambda tmp: ["--set", "learner.learning_rat=1e-3"], 2,
-     "learner.learning_rat", {}),
+    (
+        "config with invalid values",
+        lambda tmp: ["--set", "rollout.segment_tokens=0"],
+        2,
+        "rollout.segment_tokens=0",
+        {},
+    ),
+    (
+        "config naming an unknown field",
+        lambda tmp: ["--set", "learner.learning_rat=1e-3"],
+        2,
+        "learner.learning_rat",
+        {},
+    ),
     ("missing model folder", lambda tmp: ["--set", f"model.path={tmp}/nowhere"], 2, "nowhere", {}),
     ("checkpoint folder cut short", _model(_cut_short), 2, "model.safetensors", {}),
     ("pickle-only checkpoint (refused)", _model(_pickle_only), 2, "pickle checkpoints are refused", {}),
@@ -86,9 +114,22 @@ CASES = [
 
 @pytest.mark.parametrize("name,setup,status,message,rejected", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_through_the_marsrl_command(tmp_path, capsys, name, setup, status, message, rejected):
-    store_args = ["--set", f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", "--set", f"store.data_path={tmp_path}/data",
-                  "--set", f"output_dir={tmp_path}/out", "--set", "evaluation.num_problems=2", "--set", "evaluation.k=1",
-                  "--set", "evaluation.max_rounds=1", "--set", "model.max_prompt_tokens=256"]
+    store_args = [
+        "--set",
+        f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
+        "--set",
+        f"store.data_path={tmp_path}/data",
+        "--set",
+        f"output_dir={tmp_path}/out",
+        "--set",
+        "evaluation.num_problems=2",
+        "--set",
+        "evaluation.k=1",
+        "--set",
+        "evaluation.max_rounds=1",
+        "--set",
+        "model.max_prompt_tokens=256",
+    ]
     code = main(["eval", *store_args, *setup(tmp_path)])
     captured = capsys.readouterr()
     assert code == status, captured.err[-2000:]
@@ -106,21 +147,35 @@ def test_bad_input_through_the_marsrl_command(tmp_path, capsys, name, setup, sta
 
 
 def test_model_outputs_without_verdict_or_answer_get_zero_reward_and_are_counted(tmp_path):
-    cfg = load_config("tiny", None, [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", f"store.data_path={tmp_path}/data",
-                                     "rollout.num_generations=2", "rollout.downstream_generations=2",
-                                     "rollout.segment_tokens=8", "rollout.problems_per_batch=2", "rollout.max_turns=2"])
+    cfg = load_config(
+        "tiny",
+        None,
+        [
+            f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
+            f"store.data_path={tmp_path}/data",
+            "rollout.num_generations=2",
+            "rollout.downstream_generations=2",
+            "rollout.segment_tokens=8",
+            "rollout.problems_per_batch=2",
+            "rollout.max_turns=2",
+        ],
+    )
     store = SegmentStore.from_config(cfg.store)
     engine = ScriptedEngine(lambda prompt: "I am not sure." if prompt.startswith("S|") else "looks fine to me")
     problems = [Problem(f"p{i}", f"{i}+1", str(i + 1)) for i in range(2)]
-    scheduler = RolloutScheduler(cfg, store, "garbage", engine, engine.tokenizer, Roles.from_config(base=TINY_TEMPLATES),
-                                 iter(problems))
+    scheduler = RolloutScheduler(
+        cfg, store, "garbage", engine, engine.tokenizer, Roles.from_config(base=TINY_TEMPLATES), iter(problems)
+    )
     scheduler.run()
-    rewards = store.query("SELECT s.agent, r.reward, r.outcome FROM rewards r JOIN samples s USING (sample_id)").to_pylist()
+    rewards = store.query(
+        "SELECT s.agent, r.reward, r.outcome FROM rewards r JOIN samples s USING (sample_id)"
+    ).to_pylist()
     assert {r["agent"] for r in rewards} == {"solver", "verifier"}
     assert all(r["reward"] == 0.0 for r in rewards)
     assert {r["outcome"] for r in rewards if r["agent"] == "solver"} == {"no_answer"}
     assert {r["outcome"] for r in rewards if r["agent"] == "verifier"} == {"no_verdict"}
-    counted = store.query("SELECT agent, sum(unparsable) AS n, sum(samples) AS total FROM rewards_per_agent "
-                          "GROUP BY agent ORDER BY agent").to_pylist()
+    counted = store.query(
+        "SELECT agent, sum(unparsable) AS n, sum(samples) AS total FROM rewards_per_agent GROUP BY agent ORDER BY agent"
+    ).to_pylist()
     assert [(c["agent"], c["n"]) for c in counted] == [("solver", 4), ("verifier", 8)]
     assert all(c["n"] == c["total"] for c in counted)

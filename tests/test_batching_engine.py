@@ -6,10 +6,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.engines.base import SamplingParams, SegmentRequest
 from marsrl_core.engines.batching import BatchingEngine
 from marsrl_core.engines.hf import HFEngine
-from marsrl_core.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,9 @@ def test_concurrent_callers_get_their_own_results_from_merged_batches(engine):
     greedy = SamplingParams(temperature=0)
     alone = [engine.decode_segment([SegmentRequest(p, (), 6, greedy)])[0].token_ids for p in prompts]
     with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda p: shared.decode_segment([SegmentRequest(p, (), 6, greedy)])[0].token_ids,
-                                 prompts))
+        together = list(
+            pool.map(lambda p: shared.decode_segment([SegmentRequest(p, (), 6, greedy)])[0].token_ids, prompts)
+        )
     assert together == alone
     assert shared.batches < len(prompts) and max(shared.batch_sizes) > 1
 

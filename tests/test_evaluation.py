@@ -6,10 +6,10 @@ import math
 
 import pytest
 
+from marsrl_core.agents.evaluation import evaluate
+from marsrl_core.agents.problems import Problem
+from marsrl_core.agents.roles import TINY_TEMPLATES, Roles
 from marsrl_core.engines.base import SamplingParams, TextGenerator
-from marsrl_core.evaluation import evaluate
-from marsrl_core.problems import Problem
-from marsrl_core.roles import TINY_TEMPLATES, Roles
 from tests.scripted import ScriptedEngine
 
 BUDGET = {"solver": 64, "verifier": 64, "corrector": 64}
@@ -30,8 +30,9 @@ def test_metrics_match_a_hand_count():
 
     engine = ScriptedEngine(script)
     gen = TextGenerator(engine, engine.tokenizer, 8, SamplingParams(temperature=0))
-    report = evaluate(gen, Roles.from_config(base=TINY_TEMPLATES), problems, k=2, max_tokens=BUDGET,
-                      accept_after=2, max_rounds=3)
+    report = evaluate(
+        gen, Roles.from_config(base=TINY_TEMPLATES), problems, k=2, max_tokens=BUDGET, accept_after=2, max_rounds=3
+    )
     assert report.solver_acc == pytest.approx(2 / 6)
     assert report.verifier_recall == pytest.approx(2 / 4)  # b caught twice, c missed twice
     assert report.verifier_precision == pytest.approx(2 / 4)  # 4 Wrong verdicts, 2 on wrong solutions
@@ -46,8 +47,9 @@ def test_metrics_match_a_hand_count():
 def test_rates_without_cases_are_nan():
     engine = ScriptedEngine(lambda p: "Answer: 2" if p[0] in "SC" else "Correctness: Correct")
     gen = TextGenerator(engine, engine.tokenizer, 8, SamplingParams(temperature=0))
-    report = evaluate(gen, Roles.from_config(base=TINY_TEMPLATES), [Problem("a", "1+1", "2")], k=1,
-                      max_tokens=BUDGET, accept_after=1)
+    report = evaluate(
+        gen, Roles.from_config(base=TINY_TEMPLATES), [Problem("a", "1+1", "2")], k=1, max_tokens=BUDGET, accept_after=1
+    )
     assert report.solver_acc == 1.0 and math.isnan(report.corrector_fix) and report.vc_acc == 1.0
     assert math.isnan(report.corrector_break_false_flag)  # nothing was flagged
 
@@ -55,15 +57,24 @@ def test_rates_without_cases_are_nan():
 def test_per_agent_checkpoints_evaluate_each_role_with_its_own_model(tmp_path):
     """A per-agent checkpoint folder holds solver/verifier/corrector models; each role uses its own."""
     from marsrl_core.config import load_config
-    from marsrl_core.jobs import evaluate_policy
+    from marsrl_core.demo.tiny import build_tiny_model
+    from marsrl_core.runtime.jobs import evaluate_policy
     from marsrl_core.store import SegmentStore
-    from marsrl_core.tiny import build_tiny_model
 
     ckpt = tmp_path / "v1"
     for i, agent in enumerate(("solver", "verifier", "corrector")):
         build_tiny_model(ckpt / agent, seed=i, max_position_embeddings=512)
-    cfg = load_config("tiny", None, [f"store.catalog_url=sqlite:{tmp_path}/l.sqlite", f"store.data_path={tmp_path}/d",
-                                     "evaluation.num_problems=2", "evaluation.k=1", "evaluation.max_rounds=1"])
+    cfg = load_config(
+        "tiny",
+        None,
+        [
+            f"store.catalog_url=sqlite:{tmp_path}/l.sqlite",
+            f"store.data_path={tmp_path}/d",
+            "evaluation.num_problems=2",
+            "evaluation.k=1",
+            "evaluation.max_rounds=1",
+        ],
+    )
     store = SegmentStore.from_config(cfg.store)
     report = evaluate_policy(cfg, store, "r", "after", folder=ckpt)
     assert report.problems == 2
@@ -75,8 +86,8 @@ def test_per_agent_generators_draw_independent_noise(tmp_path):
     """Per-agent models that are identical must still sample independently: when every generator drew the
     same noise on its first call, the Corrector repeated the Solver's mistakes (fix rate 6% measured)."""
     from marsrl_core.config import load_config
-    from marsrl_core.jobs import evaluation_generators
-    from marsrl_core.tiny import build_tiny_model
+    from marsrl_core.demo.tiny import build_tiny_model
+    from marsrl_core.runtime.jobs import evaluation_generators
 
     for agent in ("solver", "verifier", "corrector"):
         build_tiny_model(tmp_path / "v1" / agent, seed=0, max_position_embeddings=128)  # the same weights

@@ -15,11 +15,11 @@ def prefect_server():
 
 
 def test_rollout_flow_is_a_dag_of_agent_turns(tmp_path):
-    from flows.rollout import rollout_flow
-    from marsrl_core.store import SegmentStore
-
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.rollout import rollout_flow
+    from marsrl_core.store import SegmentStore
 
     cfg = small_config(tmp_path)
     state = rollout_flow(cfg, "r1", 0, return_state=True)
@@ -27,12 +27,17 @@ def test_rollout_flow_is_a_dag_of_agent_turns(tmp_path):
     assert len(results) == 3 and results[0]["finished"] == 2 * 4
     # The DAG's edges: each turn's task run waits for the one before it (record-batch first).
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+        )
     by_id = {r.id: r for r in runs}
     names = {r.name.rsplit("-", 1)[0]: r for r in runs}
     assert set(names) == {"record-batch", "solver-turn0", "verifier-turn1", "corrector-turn2"}
-    for before, after in (("record-batch", "solver-turn0"), ("solver-turn0", "verifier-turn1"),
-                          ("verifier-turn1", "corrector-turn2")):
+    for before, after in (
+        ("record-batch", "solver-turn0"),
+        ("solver-turn0", "verifier-turn1"),
+        ("verifier-turn1", "corrector-turn2"),
+    ):
         upstream = [by_id[i.id].name for i in names[after].task_inputs["wait_for"]]
         assert upstream == [names[before].name]
     store = SegmentStore.from_config(cfg.store)
@@ -67,14 +72,18 @@ def test_subflows_inside_parent_heartbeat_only_send_no_heartbeat_and_reuse_one_s
 
     default = get_current_settings().flows.heartbeat_frequency
     assert default is not None
-    assert parent() == [(default, get_current_settings().logging.level), (None, get_current_settings().logging.level),
-                        (None, "ERROR"), (default, get_current_settings().logging.level)]
+    assert parent() == [
+        (default, get_current_settings().logging.level),
+        (None, get_current_settings().logging.level),
+        (None, "ERROR"),
+        (default, get_current_settings().logging.level),
+    ]
 
 
 def test_rollouts_flow_stops_before_the_next_batch_when_asked(tmp_path):
     from flows.learner import ROLLOUTS_FINISHED
     from flows.rollout import rollouts_flow
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
 
     cfg = small_config(tmp_path)
     assert rollouts_flow(cfg, "s1", [0], finish=False)["batches"] == 1
@@ -115,7 +124,7 @@ def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path, monkeypatch):
     import threading
 
     from flows.rollout import rollouts_flow
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
 
     cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 2})
     record, decode, mark_done = workers.record_batch, workers.rollout_turn, workers.mark_batch_done
@@ -162,7 +171,7 @@ def test_rollouts_flow_sets_up_the_next_batch_while_one_decodes(tmp_path, monkey
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
     from flows.rollout import rollouts_flow
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
 
     cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 1})
     record, decode, mark_done = workers.record_batch, workers.rollout_turn, workers.mark_batch_done
@@ -171,8 +180,13 @@ def test_rollouts_flow_sets_up_the_next_batch_while_one_decodes(tmp_path, monkey
     def next_batch_running(batch: int) -> bool:
         with get_client(sync_client=True) as client:
             runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["rollout"])))
-        return any(r.parameters.get("run_id") == "ahead" and r.parameters.get("batch_index") == batch + 1
-                   and r.state is not None and r.state.is_running() for r in runs)
+        return any(
+            r.parameters.get("run_id") == "ahead"
+            and r.parameters.get("batch_index") == batch + 1
+            and r.state is not None
+            and r.state.is_running()
+            for r in runs
+        )
 
     def recording(c, run_id, batch):
         recorded[batch] = time.monotonic()
@@ -202,7 +216,7 @@ def test_rollouts_flow_decodes_no_prepared_batch_once_asked_to_stop(tmp_path, mo
     """The stop request arrives while batch 0 decodes and batch 1 waits, set up, for its slot: batch 1
     must not decode, and only batch 0 counts."""
     from flows.rollout import rollouts_flow
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
 
     cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 1})
     store = workers.store_for(cfg)
@@ -224,7 +238,7 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     import mlflow
 
     from flows.train import train_flow
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
     from marsrl_core.store import SegmentStore
 
     cfg = small_config(tmp_path)
@@ -249,7 +263,7 @@ def test_a_failed_learner_leaves_the_rollouts_unfinished_for_a_resume(tmp_path, 
     finished its rollouts, or a resumed run's learner would stop before the rest were decoded."""
     from flows.learner import ROLLOUTS_FINISHED
     from flows.train import train_flow
-    from marsrl_core.learner import Learner
+    from marsrl_core.learn.learner import Learner
     from marsrl_core.store import SegmentStore
 
     def broken(self, groups):
@@ -279,8 +293,10 @@ def test_learner_flow_compacts_the_store_every_n_versions(tmp_path):
     from flows.train import train_flow
     from marsrl_core.store import SegmentStore
 
-    cfg = small_config(tmp_path, **{"rollout.synchronous": True, "data.num_batches": 1, "learner.max_steps": 1,
-                                    "store.compact_every_steps": 1})
+    cfg = small_config(
+        tmp_path,
+        **{"rollout.synchronous": True, "data.num_batches": 1, "learner.max_steps": 1, "store.compact_every_steps": 1},
+    )
     store = SegmentStore.from_config(cfg.store)
     assert train_flow(cfg, "compacted", evaluate_before=False, evaluate_after=False)["learner_steps"] == 1
     snapshots = store.query("SELECT map_keys(changes) AS kinds FROM ducklake_snapshots('lake')")
@@ -297,7 +313,6 @@ def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
     import json
 
     from flows.cli import main
-
     from marsrl_core.config import config_to_yaml
 
     cfg = small_config(tmp_path, **{"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1})
@@ -315,10 +330,16 @@ def test_marsrl_core_never_imports_prefect():
     from pathlib import Path
 
     core = Path(__file__).parents[1] / "marsrl_core"
-    offenders = [p.name for p in core.rglob("*.py")
-                 if any(line.strip().startswith(("import prefect", "from prefect", "from flows", "import flows",
-                                                 "from tasks", "import tasks"))
-                        for line in p.read_text().splitlines())]
+    offenders = [
+        p.name
+        for p in core.rglob("*.py")
+        if any(
+            line.strip().startswith(
+                ("import prefect", "from prefect", "from flows", "import flows", "from tasks", "import tasks")
+            )
+            for line in p.read_text().splitlines()
+        )
+    ]
     assert offenders == []
 
 
@@ -334,7 +355,7 @@ def test_sft_flow_warm_starts_and_reuses_the_cache(tmp_path):
 
 
 def test_training_dataset_batches_skip_and_record_bad_rows(tmp_path):
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
     from marsrl_core.store import SegmentStore
 
     data = tmp_path / "train.jsonl"
@@ -362,9 +383,21 @@ def test_marsrl_ablate_runs_each_variant_and_writes_train_json_keys(tmp_path, ca
     assert main(["ablate", "marsrl", "synchronous", "--config", str(path), "--results", str(results)]) == 0
     figures = json.loads(results.read_text())
     assert set(figures) == {"marsrl", "synchronous"}
-    keys = {"solver_acc_before", "solver_acc_after", "verifier_bal_acc_before", "verifier_bal_acc_after",
-            "verifier_wrong_caught_after", "corrector_fix_before", "corrector_fix_after", "corrector_break_after",
-            "vc_acc_before", "vc_acc_after", "wall_clock_s", "learner_steps", "seed"}
+    keys = {
+        "solver_acc_before",
+        "solver_acc_after",
+        "verifier_bal_acc_before",
+        "verifier_bal_acc_after",
+        "verifier_wrong_caught_after",
+        "corrector_fix_before",
+        "corrector_fix_after",
+        "corrector_break_after",
+        "vc_acc_before",
+        "vc_acc_after",
+        "wall_clock_s",
+        "learner_steps",
+        "seed",
+    }
     assert all(set(f) == keys and f["learner_steps"] == 2 for f in figures.values())
     out = capsys.readouterr().out
     assert "synchronous" in out and "Solver accuracy" in out
@@ -374,6 +407,7 @@ def test_marsrl_ablate_runs_each_variant_and_writes_train_json_keys(tmp_path, ca
     assert sorted(r["v"] for r in runs) == [2, 2]
     sync = next(r["run_id"] for r in runs if "synchronous" in r["run_id"])
     first_step = store.query("SELECT min(created_at) AS t FROM policy_versions WHERE run_id = ?", [sync]).column("t")[0]
-    batch_done = store.query("SELECT min(created_at) AS t FROM run_events WHERE run_id = ? AND event = 'batch_done:0'",
-                             [sync]).column("t")[0]
+    batch_done = store.query(
+        "SELECT min(created_at) AS t FROM run_events WHERE run_id = ? AND event = 'batch_done:0'", [sync]
+    ).column("t")[0]
     assert batch_done.as_py() <= first_step.as_py()

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from marsrl_core.config import load_config
+from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.engines.hf import HFEngine
-from marsrl_core.learner import Learner
+from marsrl_core.learn.learner import Learner
 from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore
-from marsrl_core.tiny import build_tiny_model
 from tests.rollout_helpers import digit_fraction, sample_groups
 
 RUN = "learn"
@@ -22,8 +22,11 @@ def folder(tmp_path_factory):
 
 
 def _cfg(tmp_path, **learner):
-    overrides = [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", f"store.data_path={tmp_path}/data",
-                 "rollout.temperature=1.0"] + [f"learner.{k}={v}" for k, v in learner.items()]
+    overrides = [
+        f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
+        f"store.data_path={tmp_path}/data",
+        "rollout.temperature=1.0",
+    ] + [f"learner.{k}={v}" for k, v in learner.items()]
     return load_config("tiny", None, overrides)
 
 
@@ -43,15 +46,17 @@ def test_learning_raises_the_reward_of_a_trivial_task(folder, tmp_path):
     learner, engine = _learner(cfg, store, folder, tmp_path)
 
     def mean_reward(seed):
-        groups = sample_groups(engine, store, "probe", "solver", "S|", groups=4, size=8, seed=seed,
-                               reward_fn=digit_fraction)
+        groups = sample_groups(
+            engine, store, "probe", "solver", "S|", groups=4, size=8, seed=seed, reward_fn=digit_fraction
+        )
         rows = store.load_samples("probe", [s for g in groups for s in g.sample_ids])
         return float(np.mean([r.reward for r in rows.values()]))
 
     before = mean_reward(1000)
     for step in range(12):
-        groups = sample_groups(engine, store, RUN, "solver", "S|", groups=4, size=8, seed=step,
-                               reward_fn=digit_fraction)
+        groups = sample_groups(
+            engine, store, RUN, "solver", "S|", groups=4, size=8, seed=step, reward_fn=digit_fraction
+        )
         report = learner.train_step(groups)
         engine.update_weights(report.step, learner.state_dict("solver"))
     after = mean_reward(2000)
@@ -78,15 +83,16 @@ def test_first_step_is_on_policy_and_metrics_are_recorded(folder, tmp_path):
 
 
 def test_groups_older_than_max_staleness_are_dropped_untrained_while_fresh_ones_arrive(folder, tmp_path):
-    from marsrl_core.pipeline import ready_groups
+    from marsrl_core.learn.pipeline import ready_groups
 
     cfg = _cfg(tmp_path, max_staleness=1, groups_per_step=1, downstream_groups_per_step=1)
     store = SegmentStore.from_config(cfg.store)
     learner, engine = _learner(cfg, store, folder, tmp_path)
     old = sample_groups(engine, store, RUN, "verifier", "V|1+2|", groups=2, size=4, reward_fn=digit_fraction)
     for step in range(2):  # two versions later, the verifier groups sampled by version 0 are stale
-        report = learner.train_step(sample_groups(engine, store, RUN, "solver", "S|1|", groups=1, size=4,
-                                                  seed=step, reward_fn=digit_fraction))
+        report = learner.train_step(
+            sample_groups(engine, store, RUN, "solver", "S|1|", groups=1, size=4, seed=step, reward_fn=digit_fraction)
+        )
     engine.update_weights(report.step, learner.state_dict("solver"))
     assert ready_groups(learner) == []  # stale groups alone never make a step ready...
     at_end = ready_groups(learner, flush=True)  # ...unless the rollouts have finished: then they are all there is
@@ -94,7 +100,8 @@ def test_groups_older_than_max_staleness_are_dropped_untrained_while_fresh_ones_
     fresh = sample_groups(engine, store, RUN, "solver", "S|2|", groups=1, size=4, reward_fn=digit_fraction)
     groups = ready_groups(learner)
     assert sorted((g.group_id, g.stale) for g in groups) == sorted(
-        [(fresh[0].group_id, False)] + [(g.group_id, True) for g in old])
+        [(fresh[0].group_id, False)] + [(g.group_id, True) for g in old]
+    )
     report = learner.train_step(groups)
     assert report.consumed == {"solver": fresh[0].sample_ids}
     assert report.metrics["verifier"] == {"dropped_stale_samples": 8.0} and "loss" in report.metrics["solver"]
@@ -104,7 +111,7 @@ def test_groups_older_than_max_staleness_are_dropped_untrained_while_fresh_ones_
 
 
 def test_downstream_agents_can_take_more_groups_per_step_than_the_solver(folder, tmp_path):
-    from marsrl_core.pipeline import ready_groups
+    from marsrl_core.learn.pipeline import ready_groups
 
     cfg = _cfg(tmp_path, groups_per_step=1, downstream_groups_per_step=3)
     store = SegmentStore.from_config(cfg.store)
@@ -112,7 +119,9 @@ def test_downstream_agents_can_take_more_groups_per_step_than_the_solver(folder,
     verifier = sample_groups(engine, store, RUN, "verifier", "V|1+2|", groups=2, size=2, reward_fn=digit_fraction)
     assert ready_groups(learner) == []  # two verifier groups are fewer than the three a step takes
     solver = sample_groups(engine, store, RUN, "solver", "S|1|", groups=2, size=2, reward_fn=digit_fraction)
-    verifier += sample_groups(engine, store, RUN, "verifier", "V|2+2|", groups=2, size=2, seed=1, reward_fn=digit_fraction)
+    verifier += sample_groups(
+        engine, store, RUN, "verifier", "V|2+2|", groups=2, size=2, seed=1, reward_fn=digit_fraction
+    )
     groups = ready_groups(learner)
     assert sorted(g.group_id for g in groups if g.agent == "solver") == [solver[0].group_id]
     assert sorted(g.group_id for g in groups if g.agent == "verifier") == sorted(g.group_id for g in verifier[:3])
@@ -135,10 +144,12 @@ def test_per_agent_policies_change_only_the_trained_agent(folder, tmp_path):
 
 def _copy_groups(store, groups, source, target):
     rows = store.load_samples(source, [s for g in groups for s in g.sample_ids])
-    store.append(target,
-                 [SampleRow(r.sample_id, "p", r.agent, 0, r.group_id, 4, r.prompt_tokens) for r in rows.values()],
-                 [SegmentRow(r.sample_id, 0, r.token_ids, r.logprobs, 0, "stop") for r in rows.values()],
-                 [RewardRow(r.sample_id, r.reward) for r in rows.values()])
+    store.append(
+        target,
+        [SampleRow(r.sample_id, "p", r.agent, 0, r.group_id, 4, r.prompt_tokens) for r in rows.values()],
+        [SegmentRow(r.sample_id, 0, r.token_ids, r.logprobs, 0, "stop") for r in rows.values()],
+        [RewardRow(r.sample_id, r.reward) for r in rows.values()],
+    )
     return groups
 
 
@@ -146,8 +157,10 @@ def test_kill_and_resume_equals_an_uninterrupted_run(folder, tmp_path):
     cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=3)
     store = SegmentStore.from_config(cfg.store)
     _, engine = _learner(cfg, store, folder, tmp_path, run="src")
-    steps = [sample_groups(engine, store, "a", "solver", "S|4+4|", groups=2, size=4, seed=k, reward_fn=digit_fraction)
-             for k in range(4)]
+    steps = [
+        sample_groups(engine, store, "a", "solver", "S|4+4|", groups=2, size=4, seed=k, reward_fn=digit_fraction)
+        for k in range(4)
+    ]
     copies = [_copy_groups(store, groups, "a", "b") for groups in steps]  # the same samples under run "b"
 
     straight, _ = _learner(cfg, store, folder, tmp_path, run="a")
@@ -178,7 +191,7 @@ def test_mlflow_holds_metrics_and_a_loadable_checkpoint(folder, tmp_path, monkey
     from mlflow import MlflowClient
     from transformers import AutoModelForCausalLM
 
-    from marsrl_core.tracking import NEWEST_ALIAS, Tracker
+    from marsrl_core.runtime.tracking import NEWEST_ALIAS, Tracker
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -187,8 +200,9 @@ def test_mlflow_holds_metrics_and_a_loadable_checkpoint(folder, tmp_path, monkey
     tracker = Tracker(cfg.tracking, "test-run", cfg.model_dump(mode="json"))
     learner, engine = _learner(cfg, store, folder, tmp_path, tracker=tracker)
     for seed in range(2):
-        groups = sample_groups(engine, store, RUN, "solver", "S|1|", groups=2, size=4, seed=seed,
-                               reward_fn=digit_fraction)
+        groups = sample_groups(
+            engine, store, RUN, "solver", "S|1|", groups=2, size=4, seed=seed, reward_fn=digit_fraction
+        )
         learner.train_step(groups)
     tracker.close()
     client = MlflowClient()
@@ -209,21 +223,29 @@ def test_mlflow_holds_metrics_and_a_loadable_checkpoint(folder, tmp_path, monkey
 def test_a_long_run_keeps_the_newest_checkpoints_and_logs_every_nth(folder, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    from marsrl_core.checkpoint import load_checkpoint
-    from marsrl_core.tracking import NEWEST_ALIAS, Tracker
+    from marsrl_core.learn.checkpoint import load_checkpoint
+    from marsrl_core.runtime.tracking import NEWEST_ALIAS, Tracker
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg = load_config("tiny", None, [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
-                                     f"store.data_path={tmp_path}/data", "learner.save_total_limit=2",
-                                     "tracking.log_checkpoint_steps=2",
-                                     f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path}/tracking/mlflow.db"])
+    cfg = load_config(
+        "tiny",
+        None,
+        [
+            f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
+            f"store.data_path={tmp_path}/data",
+            "learner.save_total_limit=2",
+            "tracking.log_checkpoint_steps=2",
+            f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path}/tracking/mlflow.db",
+        ],
+    )
     (tmp_path / "tracking").mkdir()
     store = SegmentStore.from_config(cfg.store)
     tracker = Tracker(cfg.tracking, "retention", cfg.model_dump(mode="json"))
     learner, engine = _learner(cfg, store, folder, tmp_path, tracker=tracker)
     for seed in range(5):
-        learner.train_step(sample_groups(engine, store, RUN, "solver", "S|1|", groups=1, size=4, seed=seed,
-                                         reward_fn=digit_fraction))
+        learner.train_step(
+            sample_groups(engine, store, RUN, "solver", "S|1|", groups=1, size=4, seed=seed, reward_fn=digit_fraction)
+        )
     root = tmp_path / f"ckpt-{RUN}"
     assert sorted(p.name for p in root.iterdir()) == ["v4", "v5"]  # no v1-v3, no half-deleted tmp folder
     model = learner.models["policy"]
@@ -241,11 +263,12 @@ def test_a_long_run_keeps_the_newest_checkpoints_and_logs_every_nth(folder, tmp_
 
 
 def test_a_step_that_fails_to_publish_is_not_trained_twice(folder, tmp_path, monkeypatch):
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
 
     cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=0)
-    cfg = cfg.model_copy(update={"output_dir": str(tmp_path / "out"),
-                                 "model": cfg.model.model_copy(update={"path": str(folder)})})
+    cfg = cfg.model_copy(
+        update={"output_dir": str(tmp_path / "out"), "model": cfg.model.model_copy(update={"path": str(folder)})}
+    )
     store = workers.store_for(cfg)
     engine = HFEngine.from_pretrained(folder)
     sample_groups(engine, store, "pub", "solver", "S|2+2|", groups=4, size=4, reward_fn=digit_fraction)
@@ -263,13 +286,16 @@ def test_a_step_that_fails_to_publish_is_not_trained_twice(folder, tmp_path, mon
 
 
 def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, monkeypatch):
-    from marsrl_core import workers
+    from marsrl_core.runtime import workers
 
     cfg = _cfg(tmp_path, groups_per_step=1, downstream_groups_per_step=1)
-    cfg = cfg.model_copy(update={"output_dir": str(tmp_path / "out"),
-                                 "model": cfg.model.model_copy(update={"path": str(folder)}),
-                                 "tracking": cfg.tracking.model_copy(
-                                     update={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"})})
+    cfg = cfg.model_copy(
+        update={
+            "output_dir": str(tmp_path / "out"),
+            "model": cfg.model.model_copy(update={"path": str(folder)}),
+            "tracking": cfg.tracking.model_copy(update={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}),
+        }
+    )
     store = workers.store_for(cfg)
     engine = HFEngine.from_pretrained(folder)
     groups = sample_groups(engine, store, "poll", "solver", "S|3+4|", groups=2, size=4, reward_fn=digit_fraction)
@@ -282,5 +308,7 @@ def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, mo
     assert len(reads) == 1 and first["step"] == 1  # the step used what the poll found
     second = workers.train_step(cfg, "poll")  # no poll before it: it queries for itself
     assert len(reads) == 2 and second["step"] == 2
-    consumed = store.query("SELECT DISTINCT learner_step, sample_id FROM consumptions WHERE run_id = 'poll'").to_pylist()
+    consumed = store.query(
+        "SELECT DISTINCT learner_step, sample_id FROM consumptions WHERE run_id = 'poll'"
+    ).to_pylist()
     assert sorted(r["sample_id"] for r in consumed) == sorted(s for g in groups for s in g.sample_ids)

@@ -62,8 +62,10 @@ def test_a_short_marsrl_run_improves_solver_and_verifier_beyond_the_seed_spread(
         assert result["learner_steps"] == 50
         for key in gains:
             gains[key].append(after[key] - before[key])
-        seen.append(f"seed {seed}: Solver {before['solver_acc']:.3f} -> {after['solver_acc']:.3f}, Verifier "
-                    f"{before['verifier_bal_acc']:.3f} -> {after['verifier_bal_acc']:.3f}")
+        seen.append(
+            f"seed {seed}: Solver {before['solver_acc']:.3f} -> {after['solver_acc']:.3f}, Verifier "
+            f"{before['verifier_bal_acc']:.3f} -> {after['verifier_bal_acc']:.3f}"
+        )
     solver_gain, verifier_gain = (sum(g) / len(g) for g in gains.values())
     assert solver_gain > SOLVER_MARGIN, "; ".join(seen)
     assert verifier_gain > VERIFIER_MARGIN, "; ".join(seen)

@@ -9,14 +9,13 @@ import time
 
 import pytest
 
-from marsrl_core import workers
 from marsrl_core.config import default_config
-from marsrl_core.native_memory import MemoryTrimmer
-
+from marsrl_core.runtime import workers
+from marsrl_core.runtime.memory import MemoryTrimmer
 
 FRAGMENT_AND_TRIM = """
 import sys, time
-from marsrl_core.native_memory import trim
+from marsrl_core.runtime.memory import trim
 assert "duckdb" not in sys.modules  # DuckDB's own allocator thread calls malloc_trim too
 
 def rss_mb():
@@ -75,7 +74,7 @@ def test_a_rollout_turns_scheduler_is_freed_when_the_turn_ends(tmp_path):
     between two such passes a rollout worker would hold every finished turn's scheduler and samples."""
     import gc
 
-    from marsrl_core.rollout import RolloutScheduler, Sample
+    from marsrl_core.rollout.scheduler import RolloutScheduler, Sample
     from tests.configs import small_config
 
     cfg = small_config(tmp_path)

@@ -6,15 +6,15 @@ import itertools
 
 import pytest
 
+from marsrl_core.agents.problems import Problem
+from marsrl_core.agents.roles import TINY_TEMPLATES, Roles
 from marsrl_core.config import load_config
+from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.engines.hf import HFEngine
-from marsrl_core.learner import Learner
-from marsrl_core.pipeline import run_pipelined, run_synchronous
-from marsrl_core.problems import Problem
-from marsrl_core.roles import TINY_TEMPLATES, Roles
-from marsrl_core.rollout import RolloutScheduler
+from marsrl_core.learn.learner import Learner
+from marsrl_core.learn.pipeline import run_pipelined, run_synchronous
+from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.store import SegmentStore
-from marsrl_core.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -23,18 +23,39 @@ def folder(tmp_path_factory):
 
 
 def _setup(tmp_path, folder, **rollout):
-    overrides = {"num_generations": 4, "downstream_generations": 2, "segment_tokens": 4, "solver_max_tokens": 12,
-                 "verifier_max_tokens": 8, "corrector_max_tokens": 12, "problems_per_batch": 2, "max_turns": 3,
-                 "max_staleness": 2, **rollout}
-    cfg = load_config("tiny", None, [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
-                                     f"store.data_path={tmp_path}/data", "learner.groups_per_step=2", "learner.downstream_groups_per_step=2",
-                                     "learner.learning_rate=1e-3", "learner.warmup_steps=0"]
-                      + [f"rollout.{k}={v}" for k, v in overrides.items()])
+    overrides = {
+        "num_generations": 4,
+        "downstream_generations": 2,
+        "segment_tokens": 4,
+        "solver_max_tokens": 12,
+        "verifier_max_tokens": 8,
+        "corrector_max_tokens": 12,
+        "problems_per_batch": 2,
+        "max_turns": 3,
+        "max_staleness": 2,
+        **rollout,
+    }
+    cfg = load_config(
+        "tiny",
+        None,
+        [
+            f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
+            f"store.data_path={tmp_path}/data",
+            "learner.groups_per_step=2",
+            "learner.downstream_groups_per_step=2",
+            "learner.learning_rate=1e-3",
+            "learner.warmup_steps=0",
+        ]
+        + [f"rollout.{k}={v}" for k, v in overrides.items()],
+    )
     store = SegmentStore.from_config(cfg.store)
     engine = HFEngine.from_pretrained(folder)
-    problems = (Problem(f"p{i}", f"{i % 10}+{(i * 3) % 10}", str((i % 10 + i * 3 % 10) % 10)) for i in itertools.count())
-    scheduler = RolloutScheduler(cfg, store, "run", engine, engine.tokenizer, Roles.from_config(base=TINY_TEMPLATES),
-                                 problems)
+    problems = (
+        Problem(f"p{i}", f"{i % 10}+{(i * 3) % 10}", str((i % 10 + i * 3 % 10) % 10)) for i in itertools.count()
+    )
+    scheduler = RolloutScheduler(
+        cfg, store, "run", engine, engine.tokenizer, Roles.from_config(base=TINY_TEMPLATES), problems
+    )
     learner = Learner(cfg, store, "run", folder, tmp_path / "ckpt", engine.tokenizer)
     return cfg, store, engine, scheduler, learner
 
@@ -60,7 +81,11 @@ def test_synchronous_loop_decodes_whole_batches_before_training(tmp_path, folder
     spans = store.query("SELECT max(policy_version) - min(policy_version) AS s FROM segments GROUP BY sample_id")
     assert max(spans.column("s").to_pylist()) == 0
     # Each consumed sample finished before the first step of its batch was committed.
-    late = store.query("""SELECT count(*) AS n FROM consumptions c JOIN rewards r USING (sample_id)
+    late = (
+        store.query("""SELECT count(*) AS n FROM consumptions c JOIN rewards r USING (sample_id)
                           JOIN policy_versions v ON v.version = c.learner_step
-                          WHERE r.created_at > v.created_at""").column("n")[0].as_py()
+                          WHERE r.created_at > v.created_at""")
+        .column("n")[0]
+        .as_py()
+    )
     assert late == 0

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from marsrl_core.problems import DatasetError, load_problems
-from marsrl_core.rewards import answers_match
+from marsrl_core.agents.problems import DatasetError, load_problems
+from marsrl_core.agents.rewards import answers_match
 
 AIME = Path(__file__).parents[2] / "shared" / "data" / "aime2025.jsonl"
 LOCAL_AIME = Path(__file__).with_name("data") / "aime2025.jsonl"

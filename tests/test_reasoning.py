@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
+from marsrl_core.agents.reasoning import run_vc_loop
+from marsrl_core.agents.roles import TINY_TEMPLATES, Roles
 from marsrl_core.engines.base import SamplingParams, TextGenerator
-from marsrl_core.reasoning import run_vc_loop
-from marsrl_core.roles import TINY_TEMPLATES, Roles
 from tests.scripted import ScriptedEngine
 
 # The tiny Corrector template shows only problem and report; this one adds the previous solution, so the

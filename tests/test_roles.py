@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from marsrl_core.roles import (CORRECT, TINY_TEMPLATES, VERIFIER, WRONG, Roles, parse_answer, parse_bug_report,
-                               parse_verdict, strip_thinking)
-from marsrl_core.tiny import build_tiny_tokenizer
+from marsrl_core.agents.roles import (
+    CORRECT,
+    TINY_TEMPLATES,
+    VERIFIER,
+    WRONG,
+    Roles,
+    parse_answer,
+    parse_bug_report,
+    parse_verdict,
+    strip_thinking,
+)
+from marsrl_core.demo.tiny import build_tiny_tokenizer
 
 
 @pytest.mark.parametrize(

@@ -8,14 +8,14 @@ from collections import Counter
 
 import pytest
 
+from marsrl_core.agents.problems import Problem
+from marsrl_core.agents.roles import TINY_TEMPLATES, Roles
+from marsrl_core.agents.selection import select_inputs
 from marsrl_core.config import load_config
+from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.engines.hf import HFEngine, load_safetensors_state
-from marsrl_core.problems import Problem
-from marsrl_core.roles import TINY_TEMPLATES, Roles
-from marsrl_core.rollout import RolloutScheduler
-from marsrl_core.selection import select_inputs
+from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.store import SegmentStore
-from marsrl_core.tiny import build_tiny_model
 from tests.scripted import ScriptedEngine
 
 ROLES = Roles.from_config(base=TINY_TEMPLATES)
@@ -23,12 +23,24 @@ RUN = "roll"
 
 
 def _cfg(tmp_path, **rollout):
-    base = {"num_generations": 4, "downstream_generations": 3, "select_inputs": 2, "segment_tokens": 4,
-            "solver_max_tokens": 40, "verifier_max_tokens": 40, "corrector_max_tokens": 40, "problems_per_batch": 2,
-            "explore": 0.0}
+    base = {
+        "num_generations": 4,
+        "downstream_generations": 3,
+        "select_inputs": 2,
+        "segment_tokens": 4,
+        "solver_max_tokens": 40,
+        "verifier_max_tokens": 40,
+        "corrector_max_tokens": 40,
+        "problems_per_batch": 2,
+        "explore": 0.0,
+    }
     base.update(rollout)
-    return load_config("tiny", None, [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
-                                      f"store.data_path={tmp_path}/data"] + [f"rollout.{k}={v}" for k, v in base.items()])
+    return load_config(
+        "tiny",
+        None,
+        [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", f"store.data_path={tmp_path}/data"]
+        + [f"rollout.{k}={v}" for k, v in base.items()],
+    )
 
 
 def _problems(n):
@@ -72,8 +84,12 @@ def test_group_and_selection_counts_follow_the_config(tmp_path):
     # Every sample finished and was rewarded at once (decoupled).
     assert store.count("rewards", RUN) == store.count("samples", RUN) == len(rows)
     # Correctors only ever read Verifier outputs with a Wrong verdict.
-    parents = store.query("""SELECT r.parsed FROM samples c JOIN rewards r ON r.sample_id = c.parent_sample_id
-                             WHERE c.agent = 'corrector'""").column("parsed").to_pylist()
+    parents = (
+        store.query("""SELECT r.parsed FROM samples c JOIN rewards r ON r.sample_id = c.parent_sample_id
+                             WHERE c.agent = 'corrector'""")
+        .column("parsed")
+        .to_pylist()
+    )
     assert parents and set(parents) == {"Wrong"}
 
 
@@ -106,16 +122,21 @@ def test_adaptive_verifier_inputs_are_incorrect_solutions(tmp_path):
     cfg = _cfg(tmp_path, max_turns=2)
     store = SegmentStore.from_config(cfg.store)
     _scheduler(cfg, store, ScriptedEngine(_script()), _problems(4)).run()
-    judged = store.query("""SELECT r.correct FROM samples v JOIN rewards r ON r.sample_id = v.parent_sample_id
-                            WHERE v.agent = 'verifier'""").column("correct").to_pylist()
+    judged = (
+        store.query("""SELECT r.correct FROM samples v JOIN rewards r ON r.sample_id = v.parent_sample_id
+                            WHERE v.agent = 'verifier'""")
+        .column("correct")
+        .to_pylist()
+    )
     assert judged and not any(judged)  # each Solver group has 2 wrong solutions: both picked
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return build_tiny_model(root / "a", max_position_embeddings=256), build_tiny_model(root / "b", seed=3,
-                                                                                        max_position_embeddings=256)
+    return build_tiny_model(root / "a", max_position_embeddings=256), build_tiny_model(
+        root / "b", seed=3, max_position_embeddings=256
+    )
 
 
 def test_long_samples_continue_across_segments_and_versions_and_reassemble(tmp_path, tiny):
@@ -138,14 +159,24 @@ def test_long_samples_continue_across_segments_and_versions_and_reassemble(tmp_p
         assert got.versions.tolist() == s.versions and set(s.versions) == {0, 1, 2}
         assert got.num_segments == 7 and got.finish_reason == "budget"
     # The behaviour log-probs reassemble as the concatenation of the per-segment rows.
-    segs = store.query("SELECT logprobs FROM segments WHERE sample_id = ? ORDER BY segment_index",
-                       [samples[0].sample_id]).column("logprobs").to_pylist()
+    segs = (
+        store.query("SELECT logprobs FROM segments WHERE sample_id = ? ORDER BY segment_index", [samples[0].sample_id])
+        .column("logprobs")
+        .to_pylist()
+    )
     assert [x for seg in segs for x in seg] == pytest.approx(stored[samples[0].sample_id].logprobs.tolist())
 
 
 def test_staleness_bound_is_never_exceeded(tmp_path, tiny):
-    cfg = _cfg(tmp_path, max_turns=2, segment_tokens=2, solver_max_tokens=12, verifier_max_tokens=12,
-               max_staleness=1, problems_per_batch=2)
+    cfg = _cfg(
+        tmp_path,
+        max_turns=2,
+        segment_tokens=2,
+        solver_max_tokens=12,
+        verifier_max_tokens=12,
+        max_staleness=1,
+        problems_per_batch=2,
+    )
     store = SegmentStore.from_config(cfg.store)
     engine = HFEngine.from_pretrained(tiny[0])
     engine.eos_id = -1
@@ -156,8 +187,12 @@ def test_staleness_bound_is_never_exceeded(tmp_path, tiny):
         version += 1
         sched.offer_weights(version, weights[version % 2])  # a new policy every stage
         sched.stage()
-    spans = store.query("""SELECT max(policy_version) - min(policy_version) AS span FROM segments
-                           GROUP BY sample_id""").column("span").to_pylist()
+    spans = (
+        store.query("""SELECT max(policy_version) - min(policy_version) AS span FROM segments
+                           GROUP BY sample_id""")
+        .column("span")
+        .to_pylist()
+    )
     assert max(spans) <= 1 and sched.stats["deferred_updates"] > 0
     assert max(store.query("SELECT policy_version FROM segments").column("policy_version").to_pylist()) > 2
 
@@ -171,15 +206,22 @@ def test_finished_solver_group_is_trainable_while_verifiers_decode(tmp_path):
     while not sched.finished():
         sched.stage()
         trainable = store.trainable_groups(RUN, "solver")
-        decoding = store.query("SELECT count(*) AS n FROM in_flight_decodes WHERE agent = 'verifier' "
-                               "AND segments > 0").column("n")[0].as_py()
+        decoding = (
+            store.query("SELECT count(*) AS n FROM in_flight_decodes WHERE agent = 'verifier' AND segments > 0")
+            .column("n")[0]
+            .as_py()
+        )
         overlap |= bool(trainable) and decoding > 0
     assert overlap
     # Timestamps tell the same story: the Solver rewards committed before the Verifiers' last segments.
-    row = store.query("""SELECT (SELECT max(r.created_at) FROM rewards r JOIN samples s USING (sample_id)
+    row = (
+        store.query("""SELECT (SELECT max(r.created_at) FROM rewards r JOIN samples s USING (sample_id)
                                  WHERE s.agent = 'solver') <
                                 (SELECT max(g.created_at) FROM segments g JOIN samples s USING (sample_id)
-                                 WHERE s.agent = 'verifier') AS earlier""").column("earlier")[0].as_py()
+                                 WHERE s.agent = 'verifier') AS earlier""")
+        .column("earlier")[0]
+        .as_py()
+    )
     assert row
 
 
@@ -214,15 +256,23 @@ def test_resume_continues_without_redecoding(tmp_path, tiny):
     restored = second.resume({p.problem_id: p for p in problems})
     assert restored == store.count("samples", RUN) > 0
     second.run()
-    dupes = store.query("SELECT count(*) AS n FROM (SELECT sample_id, segment_index FROM segments "
-                        "GROUP BY ALL HAVING count(*) > 1)").column("n")[0].as_py()
+    dupes = (
+        store.query(
+            "SELECT count(*) AS n FROM (SELECT sample_id, segment_index FROM segments GROUP BY ALL HAVING count(*) > 1)"
+        )
+        .column("n")[0]
+        .as_py()
+    )
     assert dupes == 0 and store.count("segments", RUN) > before
     lengths = store.query("""SELECT s.agent, sum(len(g.token_ids)) AS n FROM segments g JOIN samples s USING (sample_id)
                              GROUP BY s.agent, g.sample_id""").to_pylist()
     assert all(r["n"] == (12 if r["agent"] == "solver" else 9) for r in lengths)
     assert store.count("rewards", RUN) == store.count("samples", RUN)
-    assert {r["problem_id"] for r in store.query("SELECT DISTINCT problem_id FROM samples").to_pylist()} == \
-        {"p0", "p1", "p2"}
+    assert {r["problem_id"] for r in store.query("SELECT DISTINCT problem_id FROM samples").to_pylist()} == {
+        "p0",
+        "p1",
+        "p2",
+    }
 
 
 def test_a_version_offered_during_an_update_is_not_lost(tmp_path):

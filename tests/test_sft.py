@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import random
 
+from marsrl_core.agents.roles import TINY_TEMPLATES, Roles, parse_bug_report
 from marsrl_core.config import load_config
-from marsrl_core.roles import TINY_TEMPLATES, Roles, parse_bug_report
-from marsrl_core.synthetic import (correct_solution, demonstrations, keep_first_mistake, make_problems, misreport,
-                                   noisy_steps, parse_steps, verifier_report)
+from marsrl_core.demo.synthetic import (
+    correct_solution,
+    demonstrations,
+    keep_first_mistake,
+    make_problems,
+    misreport,
+    noisy_steps,
+    parse_steps,
+    verifier_report,
+)
 
 
 def test_verifier_reports_mark_each_step_and_the_verdict():
     assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 4", "7+5+9+3") == (
-        "7+5=2>2 ok;2+9=1>1 ok;1+3=4>4 ok;Correctness: Correct")
+        "7+5=2>2 ok;2+9=1>1 ok;1+3=4>4 ok;Correctness: Correct"
+    )
     # The report stops at the first wrong step, as a bug report cites the first error.
     assert verifier_report("7+5=2;2+9=2;2+3=5;Answer: 5", "7+5+9+3") == "7+5=2>2 ok;2+9=2>1 no;Correctness: Wrong"
     assert verifier_report("7+5=2;2+9=1;1+3=4;Answer: 5", "7+5+9+3") == (  # answer not the last total
-        "7+5=2>2 ok;2+9=1>1 ok;1+3=4>4 ok;end no;Correctness: Wrong")
+        "7+5=2>2 ok;2+9=1>1 ok;1+3=4>4 ok;end no;Correctness: Wrong"
+    )
     assert verifier_report("7+5=2;2+9=1;Answer: 1", "7+5+9+3").endswith("end no;Correctness: Wrong")  # a step missing
     assert keep_first_mistake("7+5=2;2+9=3;3+3=4;Answer: 4", "7+5+9+3") == "7+5=2;2+9=3;3+3=6;Answer: 6"
     assert verifier_report("7+5=", "7+5+9+3") == "bad;Correctness: Wrong"
@@ -43,8 +53,9 @@ def test_misreports_flag_a_step_with_a_wrong_recomputed_total():
 def test_demonstrations_inject_mistakes_at_the_configured_rates():
     rng = random.Random(0)
     problems = make_problems(2000, 0)
-    demos = demonstrations(problems, rng, solver_error=0.15, verdict_flip=0.1, repair_failure=0.2,
-                           report_corruption=0.3)
+    demos = demonstrations(
+        problems, rng, solver_error=0.15, verdict_flip=0.1, repair_failure=0.2, report_corruption=0.3
+    )
     solver = [t for r, f, t in demos if r == "solver"]
     wrong = sum(t != correct_solution(p.prompt) for t, p in zip(solver, problems)) / len(problems)
     assert 0.2 < wrong < 0.5  # 15% per step over 2-4 steps
@@ -71,12 +82,12 @@ def test_demonstrations_inject_mistakes_at_the_configured_rates():
 def test_sft_learns_a_small_task_and_warm_starts_are_cached(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from marsrl_core.demo.sft import train_sft, warm_start
     from marsrl_core.engines.base import SamplingParams, TextGenerator
     from marsrl_core.engines.hf import HFEngine
-    from marsrl_core.sft import train_sft, warm_start
 
     cfg = load_config("tiny", None, [f"output_dir={tmp_path}/out"])
-    from marsrl_core.policy import policy_folder
+    from marsrl_core.runtime.policy import policy_folder
 
     start = policy_folder(cfg)
     model, tok = AutoModelForCausalLM.from_pretrained(start), AutoTokenizer.from_pretrained(start)
@@ -97,8 +108,11 @@ def test_sft_learns_a_small_task_and_warm_starts_are_cached(tmp_path):
     assert before == 0.0 and after >= 0.8, (before, after)
     assert losses[-1] < losses[0] / 4
 
-    cfg = load_config("tiny", None, [f"output_dir={tmp_path}/out", "sft.max_steps=3",
-                                     "sft.per_device_train_batch_size=4", "sft.num_problems=20"])
+    cfg = load_config(
+        "tiny",
+        None,
+        [f"output_dir={tmp_path}/out", "sft.max_steps=3", "sft.per_device_train_batch_size=4", "sft.num_problems=20"],
+    )
     first = warm_start(cfg)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     again = warm_start(cfg)
@@ -111,7 +125,7 @@ def test_the_committed_warm_start_is_the_tiny_presets():
     """`make train` on a fresh machine skips the SFT only if the committed folder's key matches the preset
     (changing the model, roles, task, SFT settings or demonstrations needs `marsrl sft --set
     output_dir=demo/warm-starts` again)."""
-    from marsrl_core.sft import COMMITTED, _key
+    from marsrl_core.demo.sft import COMMITTED, _key
 
     folder = COMMITTED / f"warm-start-{_key(load_config('tiny'))}"
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()

@@ -16,18 +16,39 @@ from tests.configs import process_config_file
 def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
     # 12 batches: enough decoding after the learner's first step (each process also starts its store's
     # child process) that the rollout picks a newer version up; with 6, one CI run ended before it.
-    path = process_config_file(tmp_path, "split", data={"num_batches": 12},
-                               learner={"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3, "warmup_steps": 0})
+    path = process_config_file(
+        tmp_path,
+        "split",
+        data={"num_batches": 12},
+        learner={
+            "groups_per_step": 2,
+            "downstream_groups_per_step": 2,
+            "max_steps": 3,
+            "learning_rate": 1e-3,
+            "warmup_steps": 0,
+        },
+    )
+
     # Each process runs Prefect in ephemeral mode with its own database (two processes writing one
     # ephemeral SQLite database lock each other out; a shared deployment uses a Prefect server instead).
     def env(name):
         return {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / f"prefect-{name}")}
 
     marsrl = [sys.executable, "-m", "flows.cli"]
-    learner = subprocess.Popen([*marsrl, "learn", "--config", str(path), "--run-id", "split", "--idle-timeout", "240"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env("learner"))
-    rollout = subprocess.run([*marsrl, "rollout", "--config", str(path), "--run-id", "split", "--finish"],
-                             capture_output=True, text=True, env=env("rollout"), timeout=600)
+    learner = subprocess.Popen(
+        [*marsrl, "learn", "--config", str(path), "--run-id", "split", "--idle-timeout", "240"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env("learner"),
+    )
+    rollout = subprocess.run(
+        [*marsrl, "rollout", "--config", str(path), "--run-id", "split", "--finish"],
+        capture_output=True,
+        text=True,
+        env=env("rollout"),
+        timeout=600,
+    )
     assert rollout.returncode == 0, rollout.stdout[-3000:] + rollout.stderr[-3000:]
     out, _ = learner.communicate(timeout=600)
     assert learner.returncode == 0, out[-3000:]

@@ -17,15 +17,21 @@ def _group(store, group_id, size=2, agent="solver", turn=0, parent=None):
 
 
 def _finish(store, sample_ids, reward=1.0):
-    store.append(RUN, segments=[SegmentRow(s, 0, [1], [-0.5], 0, "stop") for s in sample_ids],
-                 rewards=[RewardRow(s, reward, bool(reward)) for s in sample_ids])
+    store.append(
+        RUN,
+        segments=[SegmentRow(s, 0, [1], [-0.5], 0, "stop") for s in sample_ids],
+        rewards=[RewardRow(s, reward, bool(reward)) for s in sample_ids],
+    )
 
 
 def test_segments_reassemble_tokens_logprobs_and_versions(store):
     (sid, _) = _group(store, "g")
     store.append(RUN, segments=[SegmentRow(sid, 0, [4, 5], [-0.1, -0.2], 0, "length")])
-    store.append(RUN, segments=[SegmentRow(sid, 1, np.array([6], np.int64), np.array([-0.3]), 1, "stop")],
-                 rewards=[RewardRow(sid, 1.0, True, "ok", "42")])
+    store.append(
+        RUN,
+        segments=[SegmentRow(sid, 1, np.array([6], np.int64), np.array([-0.3]), 1, "stop")],
+        rewards=[RewardRow(sid, 1.0, True, "ok", "42")],
+    )
     got = store.load_samples(RUN, [sid])[sid]
     assert got.prompt_tokens.tolist() == [7, 8, 9]
     assert got.token_ids.tolist() == [4, 5, 6]
@@ -72,24 +78,36 @@ def test_groups_of_several_agents_in_one_query_match_one_agent_at_a_time(store):
     _group(store, "v1", agent="verifier", turn=1)  # not rewarded: not trainable
     store.commit_step(RUN, 1, {"solver": [f"s0-{i}" for i in range(2)]}, "ckpt/1")
     both = store.trainable_groups_by_agent(RUN, ["solver", "verifier", "corrector"], limit=1)
-    assert {a: [g.group_id for g in gs] for a, gs in both.items()} == {"solver": ["s1"], "verifier": ["v0"],
-                                                                      "corrector": []}
+    assert {a: [g.group_id for g in gs] for a, gs in both.items()} == {
+        "solver": ["s1"],
+        "verifier": ["v0"],
+        "corrector": [],
+    }
     unlimited = store.trainable_groups_by_agent(RUN, ["solver", "verifier"])
     for agent in ("solver", "verifier"):
-        assert [(g.group_id, g.sample_ids) for g in unlimited[agent]] == \
-            [(g.group_id, g.sample_ids) for g in store.trainable_groups(RUN, agent)]
+        assert [(g.group_id, g.sample_ids) for g in unlimited[agent]] == [
+            (g.group_id, g.sample_ids) for g in store.trainable_groups(RUN, agent)
+        ]
     assert [g.group_id for g in unlimited["solver"]] == ["s1", "s2"]
 
 
 def test_stale_groups_are_flagged_outside_the_limit_and_dropped_ones_never_come_back(store):
     old, fresh, newer = _group(store, "old"), _group(store, "fresh"), _group(store, "newer")
-    store.append(RUN, segments=[SegmentRow(old[0], 0, [1], [-0.5], 1, "length"),  # oldest token: version 1
-                                SegmentRow(old[0], 1, [1], [-0.5], 4, "stop"),
-                                SegmentRow(old[1], 0, [1], [-0.5], 4, "stop")],
-                 rewards=[RewardRow(s, 1.0, True) for s in old])
+    store.append(
+        RUN,
+        segments=[
+            SegmentRow(old[0], 0, [1], [-0.5], 1, "length"),  # oldest token: version 1
+            SegmentRow(old[0], 1, [1], [-0.5], 4, "stop"),
+            SegmentRow(old[1], 0, [1], [-0.5], 4, "stop"),
+        ],
+        rewards=[RewardRow(s, 1.0, True) for s in old],
+    )
     for ids in (fresh, newer):
-        store.append(RUN, segments=[SegmentRow(s, 0, [1], [-0.5], 3, "stop") for s in ids],
-                     rewards=[RewardRow(s, 1.0, True) for s in ids])
+        store.append(
+            RUN,
+            segments=[SegmentRow(s, 0, [1], [-0.5], 3, "stop") for s in ids],
+            rewards=[RewardRow(s, 1.0, True) for s in ids],
+        )
     listed = store.trainable_groups_by_agent(RUN, ["solver"], limit=1, min_version=2)["solver"]
     # The stale group does not take the one fresh slot; it comes along flagged, with its oldest version.
     assert [(g.group_id, g.stale, g.oldest_version) for g in listed] == [("fresh", False, 3), ("old", True, 1)]
@@ -97,8 +115,9 @@ def test_stale_groups_are_flagged_outside_the_limit_and_dropped_ones_never_come_
     store.commit_step(RUN, 5, {"solver": fresh}, "ckpt/5", dropped={"solver": old})
     assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == ["newer"]
     steps = store.query("SELECT sample_id, learner_step FROM consumptions ORDER BY sample_id").to_pylist()
-    assert steps == [{"sample_id": s, "learner_step": 5} for s in fresh] + \
-        [{"sample_id": s, "learner_step": DROPPED_STALE} for s in old]
+    assert steps == [{"sample_id": s, "learner_step": 5} for s in fresh] + [
+        {"sample_id": s, "learner_step": DROPPED_STALE} for s in old
+    ]
     # The staleness view describes trained samples only.
     assert store.query("SELECT sample_id FROM staleness ORDER BY 1").column("sample_id").to_pylist() == fresh
 
@@ -108,22 +127,32 @@ def test_the_group_limit_can_differ_per_agent(store):
         _finish(store, _group(store, f"s{i}"))
         _finish(store, _group(store, f"v{i}", agent="verifier", turn=1))
     listed = store.trainable_groups_by_agent(RUN, ["solver", "verifier"], limit={"solver": 1, "verifier": 2})
-    assert {agent: [g.group_id for g in groups] for agent, groups in listed.items()} == \
-        {"solver": ["s0"], "verifier": ["v0", "v1"]}  # oldest completion first, each agent to its own limit
+    assert {agent: [g.group_id for g in groups] for agent, groups in listed.items()} == {
+        "solver": ["s0"],
+        "verifier": ["v0", "v1"],
+    }  # oldest completion first, each agent to its own limit
     assert [len(g) for g in store.trainable_groups_by_agent(RUN, ["solver", "verifier"], limit=2).values()] == [2, 2]
 
 
 def test_reads_of_a_batch_are_filtered_to_its_problems(store):
-    store.add_problems(RUN, [type("P", (), dict(problem_id=p, prompt="q", answer="1", source="t"))()
-                             for p in ("a", "b")])
+    store.add_problems(
+        RUN, [type("P", (), dict(problem_id=p, prompt="q", answer="1", source="t"))() for p in ("a", "b")]
+    )
     assert store.known_problems(RUN, ["b", "c"]) == {"b"}
-    store.append(RUN, samples=[SampleRow("x", "a", "solver", 0, "gx", 1, [1]),
-                               SampleRow("y", "b", "solver", 0, "gy", 1, [1]),
-                               SampleRow("z", "b", "verifier", 1, "gz", 1, [1], "y")])
+    store.append(
+        RUN,
+        samples=[
+            SampleRow("x", "a", "solver", 0, "gx", 1, [1]),
+            SampleRow("y", "b", "solver", 0, "gy", 1, [1]),
+            SampleRow("z", "b", "verifier", 1, "gz", 1, [1], "y"),
+        ],
+    )
     _finish(store, ["y"])
     rows = store.samples_of_problems(RUN, ["b"])
-    assert [(r["sample_id"], r["turn"], r["parent_sample_id"], r["rewarded"]) for r in rows] == \
-        [("y", 0, None, True), ("z", 1, "y", False)]
+    assert [(r["sample_id"], r["turn"], r["parent_sample_id"], r["rewarded"]) for r in rows] == [
+        ("y", 0, None, True),
+        ("z", 1, "y", False),
+    ]
     assert store.samples_of_problems("another-run", ["b"]) == []
 
 
@@ -181,8 +210,9 @@ def test_rows_survive_reopen_and_compaction(store_paths):
     first = SegmentStore(catalog, data)
     for g in range(5):  # batches over the inlining limit make real Parquet files
         rows = [SampleRow(f"g{g}-{i}", "p", "solver", 0, f"g{g}", 20, [1]) for i in range(20)]
-        first.append(RUN, samples=rows, segments=[SegmentRow(r.sample_id, 0, [1, 2], [-1.0, -1.0], 0, "stop")
-                                                  for r in rows])
+        first.append(
+            RUN, samples=rows, segments=[SegmentRow(r.sample_id, 0, [1, 2], [-1.0, -1.0], 0, "stop") for r in rows]
+        )
     first.close()
     second = SegmentStore(catalog, data, create=False)
     result = second.compact()
@@ -205,8 +235,9 @@ def test_compaction_keeps_replaced_files_for_the_retention_then_deletes_them(sto
 
     def append_four(tag):  # batches over the inlining limit make real Parquet files
         for g in range(4):
-            store.append(RUN, samples=[SampleRow(f"{tag}{g}-{i}", "p", "solver", 0, f"{tag}{g}", 20, [1])
-                                       for i in range(20)])
+            store.append(
+                RUN, samples=[SampleRow(f"{tag}{g}-{i}", "p", "solver", 0, f"{tag}{g}", 20, [1]) for i in range(20)]
+            )
 
     append_four("a")
     first = _parquet_files(data)

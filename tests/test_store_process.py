@@ -15,9 +15,9 @@ import numpy as np
 import psutil
 import pytest
 
-from marsrl_core import workers
+from marsrl_core.runtime import workers
 from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore, StoreError
-from marsrl_core.store_process import StoreProcess
+from marsrl_core.store.process import StoreProcess
 from tests.configs import small_config
 
 RUN = "run-1"
@@ -25,10 +25,14 @@ RUN = "run-1"
 
 def _write_group(store, group_id: str, size: int = 3) -> list[str]:
     ids = [f"{group_id}-{i}" for i in range(size)]
-    store.append(RUN, samples=[SampleRow(sid, "p1", "solver", 0, group_id, size, [7, 8, 9]) for sid in ids],
-                 segments=[SegmentRow(sid, 0, np.arange(i + 2), -np.linspace(0.1, 0.5, i + 2), 3, "stop")
-                           for i, sid in enumerate(ids)],
-                 rewards=[RewardRow(sid, float(i % 2), bool(i % 2), "ok", str(i)) for i, sid in enumerate(ids)])
+    store.append(
+        RUN,
+        samples=[SampleRow(sid, "p1", "solver", 0, group_id, size, [7, 8, 9]) for sid in ids],
+        segments=[
+            SegmentRow(sid, 0, np.arange(i + 2), -np.linspace(0.1, 0.5, i + 2), 3, "stop") for i, sid in enumerate(ids)
+        ],
+        rewards=[RewardRow(sid, float(i % 2), bool(i % 2), "ok", str(i)) for i, sid in enumerate(ids)],
+    )
     return ids
 
 
@@ -67,7 +71,7 @@ def test_errors_in_the_child_come_back_with_their_message(served, store_paths):
     with pytest.raises(Exception, match="nonexistent_table"):
         served.query("SELECT * FROM nonexistent_table")
     with pytest.raises(AttributeError, match="_con"):
-        served._con
+        _ = served._con
     assert served.count("samples") == 0  # the child still serves after the errors
     with pytest.raises(StoreError, match=r"catalog_url='nowhere': expected 'sqlite:<file>'"):
         StoreProcess("nowhere", store_paths[1])
@@ -146,7 +150,7 @@ def test_unsendable_arguments_and_calls_after_close_fail_clearly(served):
 def test_a_child_whose_parent_is_killed_exits(store_paths, tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
-        from marsrl_core.store_process import StoreProcess
+        from marsrl_core.store.process import StoreProcess
         store = StoreProcess({store_paths[0]!r}, {store_paths[1]!r})
         store.count("samples")
         print(store.pid, flush=True)

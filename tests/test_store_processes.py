@@ -21,8 +21,9 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
 
 
 def _spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(WORKERS), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(
+        [sys.executable, str(WORKERS), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    )
 
 
 def test_two_processes_creating_one_new_store_at_once_both_open_it(tmp_path):
@@ -104,8 +105,14 @@ def test_compaction_while_a_writer_and_a_reader_process_run_loses_nothing(store_
     r_out, r_err = reader.communicate(timeout=180)
     assert writer.returncode == 0, w_err[-2000:]
     assert reader.returncode == 0, r_err[-2000:]
-    merges = maintainer.query("SELECT count(*) AS n FROM ducklake_snapshots('lake') "
-                              "WHERE list_contains(map_keys(changes), 'merge_adjacent')").column("n")[0].as_py()
+    merges = (
+        maintainer.query(
+            "SELECT count(*) AS n FROM ducklake_snapshots('lake') "
+            "WHERE list_contains(map_keys(changes), 'merge_adjacent')"
+        )
+        .column("n")[0]
+        .as_py()
+    )
     assert merges >= 1  # files were merged while the others wrote and read
     written = json.loads(w_out.strip().splitlines()[-1])
     read = json.loads(r_out.strip().splitlines()[-1])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from marsrl_core.tracking import artifact_location
+from marsrl_core.runtime.tracking import artifact_location
 from tests import worktree
 
 
@@ -25,7 +25,11 @@ def test_snapshot_changes_name_created_changed_and_deleted_files_and_skip_caches
         (tmp_path / cache).mkdir()
         (tmp_path / cache / "f").write_text("x")
     assert worktree.changes(before, worktree.snapshot(tmp_path)) == [
-        "deleted gone.txt", "changed kept.txt", "created mlruns/meta.yaml", "changed results/train.json"]
+        "deleted gone.txt",
+        "changed kept.txt",
+        "created mlruns/meta.yaml",
+        "changed results/train.json",
+    ]
 
 
 def test_the_repository_is_not_the_working_directory_of_a_test(tmp_path):

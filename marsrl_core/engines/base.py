@@ -54,10 +54,6 @@ class SegmentResult:
     finished: bool  # EOS or a stop string inside this segment
     policy_version: int
 
-    @property
-    def finish_reason(self) -> str:
-        return "stop" if self.finished else "length"
-
 
 class Engine(Protocol):
     policy_version: int
@@ -82,20 +78,33 @@ class Completion:
         return self.finish_reason == "budget"
 
 
-def generate(engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, segment_tokens: int,
-             sampling: SamplingParams = SamplingParams()) -> list[Completion]:
+def generate(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    segment_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+) -> list[Completion]:
     """Decode every prompt to its end (EOS) or `max_tokens`, one batched segment at a time.
 
     With a seed, prompt i samples under its own seed derived from (seed, i): identical prompts still
     give independent samples, and the same call gives the same outputs again."""
     outputs = [Completion() for _ in prompts]
-    per_prompt = [sampling if sampling.seed is None else replace(sampling, seed=derive_seed(sampling.seed, i))
-                  for i in range(len(prompts))]
+    per_prompt = [
+        sampling if sampling.seed is None else replace(sampling, seed=derive_seed(sampling.seed, i))
+        for i in range(len(prompts))
+    ]
     active = list(range(len(prompts)))
     while active:
-        requests = [SegmentRequest(prompts[i], outputs[i].token_ids,
-                                   min(segment_tokens, max_tokens - len(outputs[i].token_ids)), per_prompt[i])
-                    for i in active]
+        requests = [
+            SegmentRequest(
+                prompts[i],
+                outputs[i].token_ids,
+                min(segment_tokens, max_tokens - len(outputs[i].token_ids)),
+                per_prompt[i],
+            )
+            for i in active
+        ]
         results = engine.decode_segment(requests)
         still = []
         for i, result in zip(active, results):
@@ -138,16 +147,14 @@ class TextGenerator:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def complete(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
-        outputs = generate(self.engine, [self.encode(p) for p in prompts], max_tokens, self.segment_tokens,
-                           self._next_sampling())
+        outputs = generate(
+            self.engine, [self.encode(p) for p in prompts], max_tokens, self.segment_tokens, self._next_sampling()
+        )
         for out in outputs:
             out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return outputs
 
 
-Generators = "TextGenerator | dict[str, TextGenerator]"
-
-
-def for_role(generator: "TextGenerator | dict[str, TextGenerator]", role: str) -> TextGenerator:
+def for_role(generator: TextGenerator | dict[str, TextGenerator], role: str) -> TextGenerator:
     """The generator of `role`: the same one for all roles (shared policy) or one per role."""
     return generator[role] if isinstance(generator, dict) else generator

@@ -87,7 +87,7 @@ class BatchingEngine:
             return
         offset = 0
         for t in batch:
-            t.results = results[offset:offset + len(t.requests)]
+            t.results = results[offset : offset + len(t.requests)]
             offset += len(t.requests)
             t.done.set()
 

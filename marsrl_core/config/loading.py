@@ -1,0 +1,92 @@
+"""Loading a config: a preset, then a YAML file, then `dotted.key=value` overrides, validated as one.
+
+Invalid values raise `ConfigError`, whose message names the dotted field and the offending value.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from marsrl_core.config.presets import PRESETS
+from marsrl_core.config.sections import ConfigError, MarsRLConfig
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected dotted.key=value, e.g. rollout.segment_tokens=1024")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw)
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "config"
+        value = item.get("input")
+        shown = "" if isinstance(value, dict) else f"={value!r}"
+        lines.append(f"{field}{shown}: {item['msg'].removeprefix('Value error, ')}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def build_config(data: dict[str, Any]) -> MarsRLConfig:
+    """Validate a plain dict into a config, raising ConfigError that names field and value."""
+    try:
+        return MarsRLConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_config(
+    preset: str = "tiny", yaml_path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> MarsRLConfig:
+    """Preset, then YAML file, then `a.b=c` overrides, validated as one config."""
+    if preset not in PRESETS:
+        raise ConfigError(f"preset={preset!r}: unknown preset; choose one of {sorted(PRESETS)}")
+    data = copy.deepcopy(PRESETS[preset])
+    if yaml_path is not None:
+        path = Path(yaml_path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r}: no such file")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file {str(path)!r}: not valid YAML ({err})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r}: top level must be a mapping, got {type(loaded).__name__}")
+        data = _deep_merge(data, loaded)
+    for text in overrides:
+        keys, value = _parse_override(text)
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {key!r} is not a section")
+        node[keys[-1]] = value
+    return build_config(data)
+
+
+def default_config() -> MarsRLConfig:
+    """The config a flow runs with when none is given: preset `MARSRL_PRESET` (default tiny) merged with
+    the YAML file `MARSRL_CONFIG` when set (how a worker in docker-compose.yml gets its cluster settings)."""
+    return load_config(os.environ.get("MARSRL_PRESET", "tiny"), os.environ.get("MARSRL_CONFIG") or None)
+
+
+def config_to_yaml(config: MarsRLConfig) -> str:
+    """The config as YAML, loadable again with `load_config(yaml_path=...)`."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,60 @@
+"""The presets a config starts from: `paper` (the MarsRL paper's settings) and `tiny` (the CPU demo)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The MarsRL paper: Qwen3-30B-A3B-Thinking, 128 prompts x 8, 16K segments, 64K/16K/32K budgets.
+    "paper": {
+        "preset": "paper",
+        "model": {"dtype": "bfloat16", "max_prompt_tokens": 32768},
+        "engine": {"name": "vllm"},
+        "rollout": {
+            "num_generations": 8,
+            "downstream_generations": 8,
+            "select_inputs": 2,
+            "max_turns": 5,
+            "segment_tokens": 16384,
+            "solver_max_tokens": 65536,
+            "verifier_max_tokens": 16384,
+            "corrector_max_tokens": 32768,
+            "temperature": 0.85,
+            "problems_per_batch": 128,
+        },
+        "learner": {"learning_rate": 1e-6, "policies": "shared"},
+        # Paper-scale reads (64 samples of up to 64K tokens) pass through the store's process: budget for them.
+        "store": {"recycle_after_mb": 1024},
+    },
+    # CPU demo: a tiny model built from a config, short budgets, small batches.
+    "tiny": {
+        "preset": "tiny",
+        "roles": {"templates": "tiny"},
+        "sft": {"enabled": True, "max_steps": 1500},
+        "evaluation": {"max_rounds": 4, "accept_after": 2, "num_problems": 512, "k": 2},
+        # More batches than 50 steps need: the train flow stops starting batches once the learner has
+        # its steps (about 10 in `make train`), and variants that yield fewer groups a batch (shared
+        # reward, synchronous: 42 steps from 15 batches in session 9's ablations) still reach them.
+        "data": {"num_batches": 20},
+        "rollout": {
+            "num_generations": 8,
+            "downstream_generations": 4,
+            "select_inputs": 2,
+            "segment_tokens": 32,
+            "solver_max_tokens": 96,
+            "verifier_max_tokens": 96,
+            "corrector_max_tokens": 96,
+            "temperature": 1.0,
+            "problems_per_batch": 8,
+            # Half the downstream picks at random (default 0.25): the Verifier then sees more right
+            # solutions (fewer false flags) and the Corrector more false flags, where most of its breaks
+            # happen. Four seeds each (benchmarks/learning_spread.py --set rollout.explore=...): break
+            # rate 9.4 ± 3.8% -> 5.2 ± 1.2%, Verifier 85.6 ± 1.0% -> 89.6 ± 1.6%, V-C 92.0 -> 95.8%.
+            "explore": 0.5,
+        },
+        # The Verifier and Corrector take 8 groups a step (the Solver 4): a batch of 8 problems gives
+        # the Solver 8 groups and each downstream agent up to 32, and with 4 a step a third of them
+        # aged past max_staleness untrained (benchmarks/learning_spread.py --set compares the two).
+        "learner": {"learning_rate": 1e-4, "warmup_steps": 20, "max_steps": 50, "downstream_groups_per_step": 8},
+    },
+}

@@ -1,0 +1,317 @@
+"""The config's sections: one pydantic model per part of a run, a description on every field.
+
+Field names follow TRL's `GRPOConfig` where the concept is the same (`num_generations`,
+`learning_rate`, `beta`, `epsilon`, `epsilon_high`, `loss_type`, `scale_rewards`, `max_grad_norm`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AGENTS = ("solver", "verifier", "corrector")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(
+        None, description="Local Hugging Face model folder. None builds the tiny model from the fields below."
+    )
+    tiny_hidden_size: int = Field(128, ge=8, description="Tiny model: hidden size.")
+    tiny_num_layers: int = Field(2, ge=1, description="Tiny model: number of transformer layers.")
+    tiny_num_heads: int = Field(4, ge=1, description="Tiny model: attention heads (head_dim must be >= 32 for vLLM).")
+    tiny_max_position_embeddings: int = Field(
+        1024, ge=16, description="Tiny model: context length in tokens (prompt + response)."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    max_prompt_tokens: int = Field(
+        512, ge=1, description="Longest prompt accepted; longer dataset rows are rejected (recorded, not loaded)."
+    )
+
+
+class EngineConfig(_Section):
+    name: Literal["hf", "vllm", "openai"] = Field(
+        "hf", description="Generation engine: 'hf' (transformers, CPU default), 'vllm' (in-process), 'openai' (server)."
+    )
+    base_url: str | None = Field(
+        None, description="OpenAI-compatible server URL (engine 'openai'), e.g. http://host:8000/v1."
+    )
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of accelerator memory to use.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel degree.")
+
+
+class RolloutConfig(_Section):
+    num_generations: int = Field(
+        8, ge=1, description="Solver samples per problem (the GRPO group size for the Solver)."
+    )
+    downstream_generations: int = Field(
+        8, ge=1, description="Samples per selected input for the Verifier and Corrector (their GRPO group size)."
+    )
+    select_inputs: int = Field(2, ge=1, description="Upstream outputs each downstream agent selects per problem.")
+    selection: Literal["adaptive", "balanced", "random"] = Field(
+        "adaptive",
+        description="How downstream agents pick their inputs (paper ablation: adaptive > balanced > random).",
+    )
+    explore: float = Field(0.25, ge=0, le=1, description="Adaptive selection: fraction of picks made at random.")
+    max_turns: int = Field(
+        5, ge=1, le=5, description="Agent turns per trajectory: Solver, Verifier, Corrector, Verifier, Corrector."
+    )
+    segment_tokens: int = Field(16384, ge=1, description="Tokens decoded per segment before an output is handed back.")
+    solver_max_tokens: int = Field(65536, ge=1, description="Solver response budget in tokens.")
+    verifier_max_tokens: int = Field(16384, ge=1, description="Verifier response budget in tokens.")
+    corrector_max_tokens: int = Field(32768, ge=1, description="Corrector response budget in tokens.")
+    temperature: float = Field(0.85, ge=0, description="Sampling temperature for training rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
+    max_staleness: int = Field(
+        2, ge=0, description="Most policy versions a sample may span; admission pauses beyond it."
+    )
+    problems_per_batch: int = Field(128, ge=1, description="Problems admitted per rollout batch.")
+    batches_in_flight: int = Field(
+        2,
+        ge=1,
+        description="Pipelined mode: problem batches decoding at once (batch k's Verifiers beside batch "
+        "k+1's Solvers); the synchronous baseline always uses 1.",
+    )
+    reward_mode: Literal["decoupled", "shared"] = Field(
+        "decoupled",
+        description="'decoupled': each agent rewarded for its own job; 'shared': every turn gets the final outcome.",
+    )
+    truncated_reward: float = Field(0.0, description="Reward given to an output cut off by its agent's budget.")
+    synchronous: bool = Field(False, description="Baseline: decode whole trajectories before the learner sees any.")
+
+    def max_tokens(self, agent: str) -> int:
+        """The response budget of `agent`."""
+        return getattr(self, f"{agent}_max_tokens")
+
+    @model_validator(mode="after")
+    def _segment_within_budgets(self) -> RolloutConfig:
+        for agent in AGENTS:
+            budget = self.max_tokens(agent)
+            if self.segment_tokens > budget:
+                raise ValueError(
+                    f"segment_tokens={self.segment_tokens} is longer than {agent}_max_tokens={budget}; "
+                    "a segment must fit inside every agent's budget"
+                )
+        return self
+
+
+class LearnerConfig(_Section):
+    policies: Literal["shared", "per_agent"] = Field(
+        "shared",
+        description="'shared': one model for all roles (the paper); 'per_agent': one model and optimizer per agent.",
+    )
+    learning_rate: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference model (0 disables, as TRL's default).")
+    epsilon: float = Field(0.2, gt=0, description="PPO clip: lower bound of the ratio is 1 - epsilon.")
+    epsilon_high: float = Field(
+        0.28, gt=0, description="PPO clip: upper bound of the ratio is 1 + epsilon_high (DAPO clip-higher)."
+    )
+    loss_type: Literal["dapo", "grpo"] = Field(
+        "dapo", description="'dapo': token-level mean over the batch; 'grpo': mean per sequence, then over sequences."
+    )
+    scale_rewards: bool = Field(True, description="Divide advantages by the group std (False gives Dr. GRPO).")
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling: cap on the behaviour ratio (None disables)."
+    )
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens per chunk when computing log-probs and entropy.")
+    micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory on long samples."
+    )
+    groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
+    downstream_groups_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="Complete groups of the Verifier and of the Corrector consumed by one learner "
+        "step (None: `groups_per_step`). Per problem the Solver samples one group and each downstream turn "
+        "`select_inputs` groups, so with equal counts the downstream agents produce several times what a "
+        "step takes and the surplus ages past `max_staleness`.",
+    )
+    max_steps: int = Field(100, ge=1, description="Learner steps in a training run.")
+    max_staleness: int | None = Field(
+        4,
+        ge=0,
+        description="Most policy versions between a group's oldest token and the learner's current "
+        "policy for the group to be trained on; older complete groups are dropped untrained (recorded in the "
+        "store as consumptions with learner_step -1). Past the PPO clip a stale group gives almost no "
+        "gradient, and a learner that drains a backlog oldest-first trains on ever older data. Once the "
+        "rollouts have finished and no fresh group is left, stale ones are trained on rather than ending "
+        "the run short of its steps. None trains on every group.",
+    )
+    save_total_limit: int | None = Field(
+        None,
+        ge=1,
+        description="Newest checkpoint folders kept on disk (older ones are deleted after each commit; "
+        "None keeps all, as in transformers). Engines load only the newest version and a resume the last "
+        "committed one, so a small limit is safe; every version is still a row in the store.",
+    )
+
+    def groups_per_step_by_agent(self) -> dict[str, int]:
+        """Complete groups one step consumes, per agent."""
+        downstream = self.downstream_groups_per_step or self.groups_per_step
+        return {agent: self.groups_per_step if agent == "solver" else downstream for agent in AGENTS}
+
+
+class DataConfig(_Section):
+    train_dataset: str | None = Field(
+        None, description="Training problems (jsonl/parquet/saved dataset); None generates the synthetic demo task."
+    )
+    question_field: str = Field("query", description="Dataset field holding the problem text.")
+    answer_field: str = Field("ans_box", description="Dataset field holding the reference answer.")
+    synthetic_min_terms: int = Field(3, ge=2, description="Synthetic task: fewest terms in a chain.")
+    synthetic_max_terms: int = Field(5, ge=2, description="Synthetic task: most terms in a chain.")
+    num_batches: int = Field(4, ge=1, description="Problem batches (rollout flows) in a training run.")
+
+
+class RolesConfig(_Section):
+    templates: Literal["default", "tiny"] = Field(
+        "default", description="Base prompt templates: 'default' (the public V-C pipeline) or 'tiny' (the demo model)."
+    )
+    solver: str | None = Field(None, description="Solver template override (inline, or @file); fields {problem}.")
+    verifier: str | None = Field(None, description="Verifier template override; fields {problem}, {solution}.")
+    corrector: str | None = Field(
+        None, description="Corrector template override; fields {problem}, {solution}, {report}."
+    )
+
+
+class SFTConfig(_Section):
+    enabled: bool = Field(
+        False,
+        description="Warm-start the policy by supervised fine-tuning on synthetic demonstrations of all three "
+        "roles before RL (the tiny preset turns it on; it applies when model.path is unset).",
+    )
+    max_steps: int = Field(3000, ge=1, description="SFT optimizer steps.")
+    per_device_train_batch_size: int = Field(64, ge=1, description="Demonstrations per SFT step.")
+    learning_rate: float = Field(
+        1e-3,
+        gt=0,
+        description="SFT AdamW learning rate (constant after a 5% warm-up; 3e-3 stalled the Solver at ~10%).",
+    )
+    num_problems: int = Field(4000, ge=1, description="Synthetic problems the demonstrations are made from (3 each).")
+    solver_error: float = Field(0.15, ge=0, le=1, description="Solver demonstrations: chance that each step is wrong.")
+    verdict_flip: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Verifier demonstrations: chance that the verdict is flipped (a warm-start "
+        "Verifier that sometimes contradicts its own step marks, for RL to sharpen).",
+    )
+    repair_failure: float = Field(
+        0.4,
+        ge=0,
+        le=1,
+        description="Corrector demonstrations: chance that the repair of a wrong solution trusts its "
+        "first wrong total (and is wrong again).",
+    )
+    report_corruption: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Corrector demonstrations: chance that the report's flagged step carries a wrong "
+        "recomputed total (on a right solution, a false flag); the target is unchanged, so the Corrector learns to "
+        "recompute a flagged step rather than copy the report's total, which broke right solutions after false flags.",
+    )
+
+
+class EvaluationConfig(_Section):
+    k: int = Field(4, ge=1, description="Samples (and V-C workers) per problem: accuracies are avg@k.")
+    num_problems: int = Field(64, ge=1, description="Held-out problems evaluated (the first N of the dataset).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature during evaluation.")
+    accept_after: int = Field(4, ge=1, description="V-C loop: consecutive Correct verdicts that accept a solution.")
+    max_rounds: int = Field(10, ge=1, description="V-C loop: most verification rounds per worker.")
+    dataset: str | None = Field(
+        None, description="Benchmark file (jsonl/parquet/saved dataset); None uses held-out synthetic problems."
+    )
+    question_field: str = Field("query", description="Dataset field holding the problem text.")
+    answer_field: str = Field("ans_box", description="Dataset field holding the reference answer.")
+
+
+class StoreConfig(_Section):
+    catalog_url: str = Field(
+        "sqlite:marsrl/lake.sqlite",
+        description="DuckLake catalog: 'sqlite:<file>' locally, 'postgres:<dsn>' for a cluster.",
+    )
+    data_path: str = Field(
+        "marsrl/lake_data/", description="Where DuckLake writes Parquet files (a folder or s3:// URL)."
+    )
+    compact_every_steps: int = Field(
+        100,
+        ge=0,
+        description="The learner flow compacts the store every n policy versions: merges the small "
+        "Parquet files each commit writes and expires old snapshots, so the learner's poll, which reads the "
+        "whole run, stays as fast late in a run as early (0 never; `marsrl compact` and the maintenance "
+        "deployment do the same on demand).",
+    )
+    compaction_retention_minutes: float = Field(
+        10.0,
+        ge=0,
+        description="Compaction keeps snapshots, and the files only they or a merge replaced, for "
+        "this long, so a query planned before it (a rollout, the learner, a user's SQL session) still finds "
+        "its files; 0 deletes them at once, safe only when nothing else is reading the store.",
+    )
+    separate_process: bool = Field(
+        True,
+        description="Training processes (rollout, learner, train) run the store's DuckDB connection in a "
+        "child process: DuckDB keeps a little native memory per query and per commit for as long as the "
+        "process lives, so a days-long run's processes would otherwise grow without bound "
+        "(`marsrl_core/store/process.py`). False keeps the connection in the process.",
+    )
+    recycle_after_mb: float = Field(
+        64.0,
+        gt=0,
+        description="With `separate_process`, the store's child process is replaced (between calls; "
+        "the replacement starts at once) when its resident memory has grown this many MB past what it had after "
+        "its first 100 calls. Bounds the store's memory; a replacement costs about a second of a background "
+        "start.",
+    )
+
+
+class TrackingConfig(_Section):
+    mlflow_tracking_uri: str = Field(
+        "sqlite:///mlflow.db",
+        description="MLflow tracking store; the MLFLOW_TRACKING_URI environment variable overrides it.",
+    )
+    experiment_name: str = Field("marsrl", description="MLflow experiment.")
+    registered_model_name: str = Field("marsrl-policy", description="Registered model holding the newest policy alias.")
+    log_checkpoint_steps: int = Field(
+        1,
+        ge=0,
+        description="Log every n-th published checkpoint to MLflow (artifacts and a registered-model "
+        "version; 0 never). Each is a full copy of the weights, so a long run logs a few, not every step.",
+    )
+
+
+class MarsRLConfig(_Section):
+    preset: str = Field("tiny", description="The preset these values started from.")
+    run_name: str = Field("marsrl", description="Name of the run (store rows and MLflow run).")
+    seed: int = Field(0, description="Global random seed.")
+    output_dir: str = Field("marsrl", description="Folder for checkpoints, caches and the default store.")
+    malloc_trim_every_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="Seconds between returns of the C allocator's free memory to the OS in a worker process "
+        "(rollout, learner, train: glibc's malloc_trim from a background thread, see marsrl_core/runtime/memory.py); "
+        "None disables.",
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The generation engine.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Grouped agentic rollouts and segments.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="The RL learner.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training problems.")
+    roles: RolesConfig = Field(default_factory=RolesConfig, description="Prompt templates of the three agents.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="The supervised warm start before RL.")
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation and the V-C loop.")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="The DuckLake segment store.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")

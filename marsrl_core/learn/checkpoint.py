@@ -1,0 +1,185 @@
+"""Checkpoints: policy weights in Hugging Face format plus the full trainer state, all safetensors.
+
+A checkpoint of version v is the folder `<root>/v<v>` holding one `save_pretrained` folder per policy
+(`policy` when shared, else `solver`/`verifier`/`corrector`) and the trainer state: optimizer
+tensors and the torch RNG in `trainer_state.safetensors`, the rest (optimizer hyper-parameters,
+scheduler state, Python RNG, step) in `trainer_state.json`. Nothing is ever unpickled.
+
+It is written to a temporary folder and renamed into place when complete, so a folder named `v<v>`
+is always whole. Folders of versions the store never committed, and temporary folders, are cleaned
+up on resume; `prune_checkpoints` keeps only the newest folders (`learner.save_total_limit`).
+
+Deliberate simplification: the optimizer is flattened per parameter index; this supports AdamW (and
+any optimizer whose state is tensors and numbers), which is all the learner uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from marsrl_core.runtime.faults import crash_point
+
+STATE_TENSORS, STATE_JSON = "trainer_state.safetensors", "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder is missing or incomplete; the message names the folder."""
+
+
+def version_folder(root: Path, version: int) -> Path:
+    return Path(root) / f"v{version}"
+
+
+def save_checkpoint(
+    root: Path,
+    version: int,
+    models: dict[str, Any],
+    tokenizer: Any,
+    optimizers: dict[str, torch.optim.Optimizer],
+    schedulers: dict[str, Any],
+    step: int,
+) -> Path:
+    """Write everything to a temporary folder, then rename it to `<root>/v<version>`."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = version_folder(root, version)
+    tmp = root / f"tmp-v{version}-{uuid.uuid4().hex[:8]}"
+    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    meta: dict[str, Any] = {
+        "step": step,
+        "python_rng": _jsonable(random.getstate()),
+        "optimizers": {},
+        "schedulers": {},
+    }
+    for name, model in models.items():
+        model.save_pretrained(tmp / name, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / name)
+    for name, opt in optimizers.items():
+        state = opt.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, entry in state["state"].items():
+            for key, value in entry.items():
+                if torch.is_tensor(value):
+                    tensors[f"opt.{name}.{index}.{key}"] = value.detach().contiguous().clone()
+                else:
+                    scalars.setdefault(str(index), {})[key] = value
+        meta["optimizers"][name] = {"param_groups": state["param_groups"], "scalars": scalars}
+    for name, sched in schedulers.items():
+        meta["schedulers"][name] = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+    crash_point("checkpoint.write")
+    save_file(tensors, str(tmp / STATE_TENSORS))
+    (tmp / STATE_JSON).write_text(json.dumps(meta))
+    _fsync_tree(tmp)  # on disk before the store commit that points at it
+    if final.exists():  # a folder left by a step whose store commit never happened
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(Path(folder).rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            _fsync_dir(path)
+    _fsync_dir(folder)
+
+
+def load_checkpoint(
+    folder: Path, models: dict[str, Any], optimizers: dict[str, torch.optim.Optimizer], schedulers: dict[str, Any]
+) -> int:
+    """Restore weights, optimizers, schedulers and RNG from `folder`; returns the step."""
+    from marsrl_core.engines.hf import load_safetensors_state, read_safetensors
+
+    folder = Path(folder)
+    if not (folder / STATE_JSON).is_file() or not (folder / STATE_TENSORS).is_file():
+        raise CheckpointError(f"checkpoint {str(folder)!r}: incomplete (no trainer state)")
+    try:
+        meta = json.loads((folder / STATE_JSON).read_text())
+        tensors = read_safetensors(folder / STATE_TENSORS)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {str(folder)!r}: trainer state cannot be read ({err})") from None
+    for name, model in models.items():
+        try:
+            state = load_safetensors_state(folder / name)
+        except Exception as err:
+            raise CheckpointError(f"checkpoint {str(folder / name)!r}: {err}") from None
+        model.load_state_dict(state, strict=False)
+    for name, opt in optimizers.items():
+        saved = meta["optimizers"][name]
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            match = re.fullmatch(rf"opt\.{re.escape(name)}\.(\d+)\.(.+)", key)
+            if match:
+                state.setdefault(int(match.group(1)), {})[match.group(2)] = value
+        for index, scalars in saved["scalars"].items():
+            state.setdefault(int(index), {}).update(scalars)
+        opt.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+    for name, sched in schedulers.items():
+        sched.load_state_dict(meta["schedulers"][name] | {"lr_lambdas": [None] * len(sched.lr_lambdas)})
+    torch.set_rng_state(tensors["rng.torch"])
+    random.setstate(_tupled(meta["python_rng"]))
+    return int(meta["step"])
+
+
+def _version_folders(root: Path) -> list[tuple[int, Path]]:
+    """The `v<v>` folders under `root` with their versions, oldest first."""
+    if not root.exists():
+        return []
+    return sorted((int(m.group(1)), path) for path in root.iterdir() if (m := re.fullmatch(r"v(\d+)", path.name)))
+
+
+def clean_uncommitted(root: Path, committed_version: int | None) -> list[Path]:
+    """Delete temporary folders and version folders newer than the last committed version."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    removed = [path for path in root.iterdir() if path.name.startswith("tmp-")]
+    removed += [
+        path for version, path in _version_folders(root) if committed_version is None or version > committed_version
+    ]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` (>= 1) newest version folders. Each is first renamed to a temporary
+    name, so a crash half-way through a deletion leaves no partial `v<v>` folder (resume removes `tmp-*`)."""
+    if keep < 1:
+        raise CheckpointError(f"prune_checkpoints(keep={keep}): must keep at least the newest version")
+    removed = [path for _, path in _version_folders(Path(root))[:-keep]]
+    for path in removed:
+        doomed = path.with_name(f"tmp-delete-{path.name}-{uuid.uuid4().hex[:8]}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return removed
+
+
+def _jsonable(value: Any) -> Any:
+    return [_jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _tupled(value: Any) -> Any:
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value

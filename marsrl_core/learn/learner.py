@@ -1,0 +1,326 @@
+"""The learner: per-agent GRPO/PPO steps on complete groups from the store, and version publishing.
+
+One `train_step(groups)`:
+1. rebuilds the groups' samples from the store (prompt, response tokens, behaviour log-probs);
+2. computes group-normalised advantages per same-input group, dropping (and counting) groups with
+   zero reward variance;
+3. per agent, runs the policy over micro-batches packed to `micro_batch_tokens`, computes log-probs
+   and entropy in chunks (`logprob_chunk_tokens`), the PPO-clip loss against the behaviour log-probs,
+   and back-propagates; a non-finite loss skips the optimizer step and is recorded;
+4. clips gradients and steps the optimizer of each policy that received gradients;
+5. publishes version `step`: the checkpoint is written (temporary folder, then renamed), then the
+   consumptions, the version row and the metrics commit in one store transaction.
+
+Groups flagged `stale` (older than `learner.max_staleness` policy versions, see `pipeline.ready_groups`)
+are not trained on: the step records them as dropped, so they are never offered again.
+
+Policies: `shared` (one model for all roles, the paper) or `per_agent` (a model, AdamW and warm-up
+schedule per agent). `resume()` restarts from the last committed version (weights, optimizers,
+schedulers, RNG, step) and deletes checkpoint folders the store never committed.
+
+Deliberate simplifications: one optimizer step per batch (no PPO epochs); log-probs use the rollout
+temperature as the engines do; the reference model for `beta > 0` is the starting policy, frozen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from marsrl_core.config import AGENTS, MarsRLConfig
+from marsrl_core.learn.algorithms import chunked_logprobs, group_advantages, policy_loss
+from marsrl_core.learn.checkpoint import (
+    clean_uncommitted,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    version_folder,
+)
+from marsrl_core.runtime.faults import crash_point
+from marsrl_core.store import SegmentStore, StoredSample, TrainableGroup
+
+
+@dataclass
+class _Item:
+    sample: StoredSample
+    advantage: float
+
+
+@dataclass
+class StepReport:
+    step: int
+    checkpoint: Path
+    consumed: dict[str, list[str]]
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    skipped_nonfinite: bool = False
+
+
+def _load_model(folder: Path, cfg: MarsRLConfig):
+    from marsrl_core.engines.hf import load_model_folder
+
+    model = load_model_folder(folder, cfg.model.dtype)
+    if cfg.learner.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model.train()
+
+
+class Learner:
+    def __init__(
+        self,
+        cfg: MarsRLConfig,
+        store: SegmentStore,
+        run_id: str,
+        start_folder: Path,
+        checkpoint_root: Path,
+        tokenizer: Any = None,
+        tracker: Any = None,
+    ):
+        self.cfg, self.store, self.run_id, self.tracker = cfg, store, run_id, tracker
+        self.checkpoint_root = Path(checkpoint_root)
+        self.tokenizer = tokenizer
+        names = ["policy"] if cfg.learner.policies == "shared" else list(AGENTS)
+        self.models = {name: _load_model(start_folder, cfg) for name in names}
+        lc = cfg.learner
+        self.optimizers = {
+            name: torch.optim.AdamW(m.parameters(), lr=lc.learning_rate, weight_decay=lc.weight_decay)
+            for name, m in self.models.items()
+        }
+        warmup = lc.warmup_steps
+        self.schedulers = {
+            name: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+            for name, opt in self.optimizers.items()
+        }
+        self.reference = _load_model(start_folder, cfg).eval() if lc.beta > 0 else None
+        self.temperature = cfg.rollout.temperature or 1.0
+        self.step = 0
+        self.logged_version = 0  # newest version logged to MLflow
+
+    def policy_name(self, agent: str) -> str:
+        return "policy" if "policy" in self.models else agent
+
+    def model_for(self, agent: str):
+        return self.models[self.policy_name(agent)]
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> int:
+        """Restore the last committed version; returns the step to continue from (0 if none)."""
+        latest = self.store.latest_version(self.run_id)
+        clean_uncommitted(self.checkpoint_root, latest[0] if latest else None)
+        if latest is None:
+            return 0
+        version, uri = latest
+        self.step = load_checkpoint(Path(uri), self.models, self.optimizers, self.schedulers)
+        if self.step != version:
+            raise RuntimeError(f"checkpoint {uri!r}: holds step {self.step} but the store committed version {version}")
+        return self.step
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, groups: Sequence[TrainableGroup]) -> StepReport:
+        start = time.perf_counter()
+        dropped: dict[str, list[str]] = {}
+        for g in groups:
+            if g.stale:
+                dropped.setdefault(g.agent, []).extend(g.sample_ids)
+        groups = [g for g in groups if not g.stale]
+        ids = [sid for g in groups for sid in g.sample_ids]
+        samples = self.store.load_samples(self.run_id, ids)
+        per_agent: dict[str, list[_Item]] = {}
+        stats: dict[str, dict[str, float]] = {}
+        for g in groups:
+            members = [samples[sid] for sid in g.sample_ids]
+            s = stats.setdefault(g.agent, {"groups": 0, "zero_variance_groups": 0, "reward_sum": 0.0, "samples": 0})
+            s["groups"] += 1
+            s["samples"] += len(members)
+            s["reward_sum"] += sum(m.reward or 0.0 for m in members)
+            advantages = group_advantages([m.reward or 0.0 for m in members], self.cfg.learner.scale_rewards)
+            if advantages is None:
+                s["zero_variance_groups"] += 1
+                continue
+            per_agent.setdefault(g.agent, []).extend(_Item(m, a) for m, a in zip(members, advantages))
+
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        metrics: dict[str, dict[str, float]] = {}
+        nonfinite = False
+        for agent, items in per_agent.items():
+            agent_metrics = self._backward(agent, items)
+            nonfinite |= not math.isfinite(agent_metrics["loss"])
+            metrics[agent] = agent_metrics
+        trained = {self.policy_name(a) for a in per_agent}
+        if nonfinite:
+            for opt in self.optimizers.values():
+                opt.zero_grad(set_to_none=True)
+        else:
+            for name in trained:
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self.models[name].parameters(), self.cfg.learner.max_grad_norm
+                )
+                for agent in per_agent:
+                    if self.policy_name(agent) == name:
+                        metrics[agent]["grad_norm"] = float(grad_norm)
+                self.optimizers[name].step()
+                self.schedulers[name].step()
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        for agent, s in stats.items():
+            m = metrics.setdefault(agent, {})
+            m.update(
+                reward_mean=s["reward_sum"] / max(1, s["samples"]),
+                groups=s["groups"],
+                zero_variance_groups=s["zero_variance_groups"],
+                skipped_nonfinite=float(nonfinite),
+                learning_rate=self.optimizers[self.policy_name(agent)].param_groups[0]["lr"],
+            )
+            if "tokens" in m:
+                m["tokens_per_s"] = m["tokens"] / elapsed
+        for agent, ids in dropped.items():
+            metrics.setdefault(agent, {})["dropped_stale_samples"] = float(len(ids))
+        consumed: dict[str, list[str]] = {}
+        for g in groups:
+            consumed.setdefault(g.agent, []).extend(g.sample_ids)
+        crash_point("learner.update")
+        folder = self.publish(consumed, metrics, dropped)
+        return StepReport(self.step, folder, consumed, metrics, nonfinite)
+
+    def _backward(self, agent: str, items: list[_Item]) -> dict[str, float]:
+        lc = self.cfg.learner
+        model = self.model_for(agent)
+        decoder, head = model.get_decoder(), model.get_output_embeddings().weight
+        total_tokens = sum(len(i.sample.token_ids) for i in items)
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "ratio_sum": 0.0}
+        ratio_max, staleness = 0.0, []
+        for batch in _pack(items, lc.micro_batch_tokens):
+            seqs = [torch.as_tensor(np.concatenate([i.sample.prompt_tokens, i.sample.token_ids])) for i in batch]
+            input_ids = pad_sequence(seqs, batch_first=True, padding_value=0)
+            mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
+            hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            positions, targets = [], []
+            for row, item in enumerate(batch):
+                p, n = len(item.sample.prompt_tokens), len(item.sample.token_ids)
+                positions.append(hidden[row, p - 1 : p - 1 + n])
+                targets.append(torch.as_tensor(item.sample.token_ids, dtype=torch.long))
+            lp_flat, ent_flat = chunked_logprobs(
+                torch.cat(positions), head, torch.cat(targets), lc.logprob_chunk_tokens, self.temperature
+            )
+            lengths = [len(t) for t in targets]
+            logprobs = pad_sequence(list(lp_flat.split(lengths)), batch_first=True)
+            behaviour = pad_sequence(
+                [torch.as_tensor(i.sample.logprobs, dtype=torch.float32) for i in batch], batch_first=True
+            )
+            token_mask = pad_sequence([torch.ones(n) for n in lengths], batch_first=True)
+            ref = self._reference_logprobs(batch) if self.reference is not None else None
+            out = policy_loss(
+                logprobs,
+                behaviour,
+                torch.tensor([i.advantage for i in batch]),
+                token_mask,
+                epsilon=lc.epsilon,
+                epsilon_high=lc.epsilon_high,
+                loss_type=lc.loss_type,
+                beta=lc.beta,
+                ref_logprobs=ref,
+                tis_cap=lc.tis_cap,
+                token_normalizer=float(total_tokens),
+                sequence_normalizer=float(len(items)),
+            )
+            if torch.isfinite(out.loss):
+                out.loss.backward()
+            n_tokens = sum(lengths)
+            totals["loss"] += float(out.loss.detach())
+            totals["clip_fraction"] += out.clip_fraction * n_tokens
+            totals["kl"] += out.kl * n_tokens
+            totals["entropy"] += float(ent_flat.detach().sum())
+            totals["ratio_sum"] += out.ratio_mean * n_tokens
+            ratio_max = max(ratio_max, out.ratio_max)
+            staleness += [self.step - int(i.sample.versions.min()) for i in batch if len(i.sample.versions)]
+        adv = np.array([i.advantage for i in items])
+        n = max(1, total_tokens)
+        return {
+            "loss": totals["loss"],
+            "clip_fraction": totals["clip_fraction"] / n,
+            "kl": totals["kl"] / n,
+            "entropy": totals["entropy"] / n,
+            "ratio_mean": totals["ratio_sum"] / n,
+            "ratio_max": ratio_max,
+            "advantage_mean": float(adv.mean()),
+            "advantage_std": float(adv.std()),
+            "advantage_abs_max": float(np.abs(adv).max()),
+            "tokens": float(total_tokens),
+            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+            "staleness_max": float(max(staleness)) if staleness else 0.0,
+        }
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: list[_Item]) -> torch.Tensor:
+        rows = []
+        for item in batch:
+            ids = torch.as_tensor(np.concatenate([item.sample.prompt_tokens, item.sample.token_ids]))[None]
+            hidden = self.reference.get_decoder()(input_ids=ids).last_hidden_state[0]
+            p, n = len(item.sample.prompt_tokens), len(item.sample.token_ids)
+            lp, _ = chunked_logprobs(
+                hidden[p - 1 : p - 1 + n],
+                self.reference.get_output_embeddings().weight,
+                torch.as_tensor(item.sample.token_ids),
+                self.cfg.learner.logprob_chunk_tokens,
+                self.temperature,
+            )
+            rows.append(lp)
+        return pad_sequence(rows, batch_first=True)
+
+    # ------------------------------------------------------------------ publishing
+    def publish(
+        self,
+        consumed: dict[str, list[str]],
+        metrics: dict[str, dict[str, float]],
+        dropped: dict[str, list[str]] | None = None,
+    ) -> Path:
+        """Checkpoint (complete before anything else), then one store transaction, then MLflow."""
+        folder = save_checkpoint(
+            self.checkpoint_root, self.step, self.models, self.tokenizer, self.optimizers, self.schedulers, self.step
+        )
+        mlflow_run = self.tracker.run_id if self.tracker is not None else None
+        crash_point("checkpoint.commit")
+        self.store.commit_step(self.run_id, self.step, consumed, str(folder), mlflow_run, metrics, dropped)
+        if self.tracker is not None:
+            self.tracker.log_step(self.step, metrics)
+            every = self.cfg.tracking.log_checkpoint_steps
+            if every and self.step % every == 0:
+                self.tracker.log_checkpoint(folder, self.step)
+                self.logged_version = self.step
+        if self.cfg.learner.save_total_limit:  # only after the commit: the newest committed version stays
+            prune_checkpoints(self.checkpoint_root, self.cfg.learner.save_total_limit)
+        return folder
+
+    def log_newest_checkpoint(self) -> None:
+        """At the end of a run: log the newest version to MLflow if `log_checkpoint_steps` skipped it."""
+        if self.tracker is not None and self.cfg.tracking.log_checkpoint_steps and self.step > self.logged_version:
+            self.tracker.log_checkpoint(version_folder(self.checkpoint_root, self.step), self.step)
+            self.logged_version = self.step
+
+    def state_dict(self, agent: str) -> dict[str, torch.Tensor]:
+        """The current weights of `agent`'s policy, for an in-process engine update."""
+        return {k: v.detach() for k, v in self.model_for(agent).state_dict().items()}
+
+
+def _pack(items: list[_Item], budget: int) -> list[list[_Item]]:
+    """Greedy micro-batches of at most `budget` tokens (a longer sample forms its own batch)."""
+    batches, current, used = [], [], 0
+    for item in items:
+        size = len(item.sample.prompt_tokens) + len(item.sample.token_ids)
+        if current and used + size > budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += size
+    if current:
+        batches.append(current)
+    return batches

@@ -1,0 +1,76 @@
+"""A rollout's samples: one agent's output for one prompt, linked to the sample it is about (its
+parent) and to the samples made from it (its children), and the shared trajectory reward over them.
+
+A trajectory unrolls Solver -> Verifier -> Corrector -> Verifier -> Corrector; turn t is played by
+`agent_of_turn(t)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marsrl_core.agents.problems import Problem
+from marsrl_core.agents.rewards import Judgement
+from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER
+
+
+class RolloutInterrupted(Exception):
+    """A turn stopped at a stage boundary because its worker is stopping (a signal); its samples are
+    stored and a resume continues them."""
+
+
+def agent_of_turn(turn: int) -> str:
+    return SOLVER if turn == 0 else (VERIFIER if turn % 2 == 1 else CORRECTOR)
+
+
+@dataclass(eq=False)
+class Sample:
+    sample_id: str
+    problem: Problem
+    agent: str
+    turn: int
+    group_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    parent: Sample | None = None
+    token_ids: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    segments: int = 0
+    finish: str | None = None  # "stop" or "budget" once finished
+    text: str = ""
+    judgement: Judgement | None = None
+    children: list[Sample] = field(default_factory=list)
+
+    @property
+    def start_version(self) -> int | None:
+        return self.versions[0] if self.versions else None
+
+    @property
+    def solution(self) -> Sample:
+        """The solution this sample is about: itself for Solver/Corrector, the judged one for a Verifier."""
+        return self if self.agent != VERIFIER else self.parent
+
+
+@dataclass
+class ProblemState:
+    problem: Problem
+    turns: dict[int, list[Sample]] = field(default_factory=dict)
+    done: bool = False
+
+
+@dataclass
+class StageReport:
+    """What one rollout stage did."""
+
+    tokens: int = 0  # decoded
+    finished: int = 0  # samples that finished
+    new_samples: int = 0  # samples started (new problems' Solver groups and downstream groups)
+    admitted: int = 0  # new problems
+
+
+def shared_outcome(sample: Sample) -> float:
+    """The shared reward (the ablation baseline) of `sample`: the mean final outcome of the
+    trajectories through it (1 if the trajectory's last solution is right)."""
+    if sample.children:
+        return sum(shared_outcome(c) for c in sample.children) / len(sample.children)
+    return 1.0 if sample.solution.judgement.correct else 0.0

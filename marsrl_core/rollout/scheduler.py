@@ -1,0 +1,455 @@
+"""Grouped agentic rollouts decoded in segments: the MarsRL pipeline scheduler.
+
+A trajectory unrolls Solver -> Verifier -> Corrector -> Verifier -> Corrector (`max_turns` <= 5).
+Per problem the Solver samples a group of `num_generations`; once every group of a turn of that
+problem has finished, the next agent selects `select_inputs` of those outputs (see `selection.py`)
+and samples a group of `downstream_generations` for each. Only Verifier outputs with a `Wrong`
+verdict can feed a Corrector; when none is left, that problem's trajectory ends.
+
+The scheduler runs in stages. A stage
+1. applies a newer policy version if one was offered and no in-flight sample would then span more
+   than `max_staleness` versions (otherwise it waits, and admits no new problems so the old samples
+   drain: the bound is never exceeded);
+2. admits new problems up to `problems_per_batch` x `batches_in_flight` in flight (the synchronous
+   baseline admits one batch, and only when the previous one has ended);
+3. decodes one segment (`segment_tokens`, capped by each agent's remaining budget) for every
+   unfinished sample in one engine batch;
+4. rewards what finished (decoupled: at once; shared: when the problem's trajectories end), creates
+   the downstream groups whose inputs are now complete, and appends new samples, the segments and
+   the rewards to the store in one transaction.
+Outputs cut by their budget are `budget`-finished and rewarded `truncated_reward`.
+
+Shared reward (the ablation baseline): a turn's reward is the final outcome of the trajectory through
+it (is the last solution right?); when a turn feeds several trajectories, the mean of their outcomes.
+
+`RolloutScheduler.resume()` rebuilds the state from the store after a crash: finished samples keep
+their rewards, unfinished ones continue from their stored prefix, nothing stored is decoded again.
+An interrupted turn (`interrupted()` says so before a stage) therefore stops at the stage boundary and
+raises `RolloutInterrupted`: what it decoded is stored, and a resume continues from there.
+
+Deliberate simplifications: a downstream turn waits for all groups of the previous turn of the same
+problem (not just one group); prompts that do not fit the engine's context with their budget are
+rejected and recorded, and that branch ends.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from marsrl_core.agents.problems import Problem
+from marsrl_core.agents.rewards import judge
+from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER, WRONG, Roles, parse_bug_report
+from marsrl_core.agents.selection import select_inputs
+from marsrl_core.config import MarsRLConfig
+from marsrl_core.engines.base import SamplingParams, SegmentRequest
+from marsrl_core.rollout.samples import (
+    ProblemState,
+    RolloutInterrupted,
+    Sample,
+    StageReport,
+    agent_of_turn,
+    shared_outcome,
+)
+from marsrl_core.runtime.faults import crash_point
+from marsrl_core.store import RewardRow, SampleRow, SegmentRow, Store
+
+
+class RolloutScheduler:
+    def __init__(
+        self,
+        cfg: MarsRLConfig,
+        store: Store,
+        run_id: str,
+        engine: Any,
+        tokenizer: Any,
+        roles: Roles,
+        problems: Iterator[Problem],
+        *,
+        seed: int = 0,
+        max_problems: int | None = None,
+        newer_policy: Callable[[int], tuple[int, Any] | None] | None = None,
+        interrupted: Callable[[], bool] | None = None,
+    ):
+        """`engine`: one engine for all agents (shared policy) or a dict agent -> engine (per-agent).
+        `newer_policy(current_version)`: asked before every stage for a policy newer than the engines'
+        ((version, weights) or None), which is then offered as `offer_weights` would; for a scheduler
+        whose learner runs elsewhere and publishes its versions (the store's committed checkpoints).
+        `interrupted()`: asked by `run_turn` before every stage; once true the turn stops there."""
+        self.cfg, self.rc = cfg, cfg.rollout
+        self.store, self.run_id = store, run_id
+        self.engines = engine if isinstance(engine, dict) else {a: engine for a in (SOLVER, VERIFIER, CORRECTOR)}
+        self.engine = self.engines[SOLVER]
+        self.tokenizer, self.roles = tokenizer, roles
+        self.problems = problems
+        self.max_problems = max_problems
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.states: dict[str, ProblemState] = {}
+        self.admitted = 0
+        self.pending: tuple[int, Any] | None = None
+        self._pending_lock = threading.Lock()
+        self.exhausted = False
+        self.context = getattr(self.engine, "max_positions", None) or getattr(self.engine, "max_model_len", None)
+        self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0}
+        self.synchronous = self.rc.synchronous
+        self.max_decode_turn: int | None = None  # set by run_turn: decode only turns up to this one
+        self.newer_policy = newer_policy
+        self.interrupted = interrupted
+
+    # ------------------------------------------------------------------ policy versions
+    @property
+    def version(self) -> int:
+        return self.engine.policy_version
+
+    def offer_weights(self, version: int, weights: Any) -> None:
+        """A newer policy (weights, or a dict agent -> weights); applied at the next stage boundary the
+        staleness bound allows. Safe to call from another thread (the learner's)."""
+        with self._pending_lock:
+            if self.pending is None or version > self.pending[0]:
+                self.pending = (version, weights)
+
+    def _apply_pending(self) -> bool:
+        with self._pending_lock:
+            offered = self.pending
+        if offered is None:
+            return True
+        version, weights = offered
+        if version <= self.version:  # an engine shared with another scheduler already has it
+            self._clear_pending(offered)
+            return True
+        oldest = min((s.start_version for s in self.in_flight() if s.start_version is not None), default=version)
+        # After a restart the engine may hold weights older than the restored samples themselves; then
+        # any newer policy is closer to them than what it has, so it is applied at once.
+        if version - oldest > self.rc.max_staleness and self.version >= oldest:
+            self.stats["deferred_updates"] += 1
+            return False
+        done: set[int] = set()
+        for agent, engine in self.engines.items():
+            if id(engine) not in done:
+                engine.update_weights(
+                    version, weights[agent] if isinstance(weights, dict) and agent in weights else weights
+                )
+                done.add(id(engine))
+        self._clear_pending(offered)
+        return True
+
+    def _clear_pending(self, applied: tuple[int, Any]) -> None:
+        """Forget the applied offer, unless a newer one arrived meanwhile."""
+        with self._pending_lock:
+            if self.pending is applied:
+                self.pending = None
+
+    # ------------------------------------------------------------------ state
+    def release(self) -> None:
+        """Unlink the samples (a parent lists its children, each child names its parent: a reference
+        cycle), so that dropping the scheduler frees them at once instead of at the garbage collector's
+        next full pass; the scheduler is not used afterwards."""
+        for st in self.states.values():
+            for samples in st.turns.values():
+                for sample in samples:
+                    sample.children.clear()
+        self.states.clear()
+
+    def in_flight(self) -> list[Sample]:
+        return [
+            s for st in self.states.values() if not st.done for t in st.turns.values() for s in t if s.finish is None
+        ]
+
+    @property
+    def active_problems(self) -> int:
+        return sum(not st.done for st in self.states.values())
+
+    def finished(self) -> bool:
+        """No problem in flight and no more to admit."""
+        return self.active_problems == 0 and (self.exhausted or self._at_problem_limit())
+
+    def _at_problem_limit(self) -> bool:
+        return self.max_problems is not None and self.admitted >= self.max_problems
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _new_group(
+        self,
+        problem: Problem,
+        turn: int,
+        size: int,
+        prompt_text: str,
+        parent: Sample | None,
+        rejected: list[tuple[str, str, str, str]],
+    ) -> list[Sample]:
+        agent = agent_of_turn(turn)
+        prompt_ids = self._encode(prompt_text)
+        budget = self.rc.max_tokens(agent)
+        if self.context is not None and len(prompt_ids) + budget > self.context:
+            self.stats["rejected_prompts"] += 1
+            rejected.append(
+                (
+                    f"rollout:{problem.problem_id}",
+                    f"turn {turn}",
+                    f"{agent} prompt of {len(prompt_ids)} tokens + budget {budget} exceeds the engine "
+                    f"context of {self.context}",
+                    prompt_text[:500],
+                )
+            )
+            return []
+        group_id = uuid.uuid4().hex
+        samples = [
+            Sample(f"{group_id}-{i}", problem, agent, turn, group_id, prompt_ids, budget, parent) for i in range(size)
+        ]
+        if parent is not None:
+            parent.children.extend(samples)
+        return samples
+
+    def _admit(self, rejected) -> list[Sample]:
+        created: list[Sample] = []
+        if self.synchronous and self.active_problems:  # the baseline admits a new batch only when idle
+            return []
+        limit = self.rc.problems_per_batch * (1 if self.synchronous else self.rc.batches_in_flight)
+        while self.active_problems < limit and not self._at_problem_limit():
+            try:
+                problem = next(self.problems)
+            except StopIteration:
+                self.exhausted = True
+                break
+            if problem.problem_id in self.states:  # admitted before a resume
+                continue
+            self.admitted += 1
+            state = ProblemState(problem)
+            self.states[problem.problem_id] = state
+            group = self._new_group(
+                problem,
+                0,
+                self.rc.num_generations,
+                self.roles.prompt(self.tokenizer, SOLVER, problem.prompt),
+                None,
+                rejected,
+            )
+            state.turns[0] = group
+            state.done = not group
+            created += group
+        return created
+
+    # ------------------------------------------------------------------ one stage
+    def stage(self) -> StageReport:
+        report = StageReport()
+        self.stats["stages"] += 1
+        rejected: list[tuple[str, str, str, str]] = []
+        created: list[Sample] = []
+        if self.newer_policy is not None and (newer := self.newer_policy(self.version)) is not None:
+            self.offer_weights(*newer)
+        if self._apply_pending():
+            created = self._admit(rejected)
+            report.admitted = len({s.problem.problem_id for s in created})
+        active = [s for s in self.in_flight() if self.max_decode_turn is None or s.turn <= self.max_decode_turn]
+        segments: list[SegmentRow] = []
+        rewards: list[RewardRow] = []
+        if active:
+            sampling = [
+                SamplingParams(self.rc.temperature, self.rc.top_p, self.rc.top_k, seed=self._sample_seed(s))
+                for s in active
+            ]
+            requests = [
+                SegmentRequest(
+                    s.prompt_ids, s.token_ids, min(self.rc.segment_tokens, s.max_tokens - len(s.token_ids)), p
+                )
+                for s, p in zip(active, sampling)
+            ]
+            for sample, result in zip(active, self._decode(active, requests)):
+                sample.token_ids.extend(result.token_ids)
+                sample.versions.extend([result.policy_version] * len(result.token_ids))
+                if result.finished:
+                    sample.finish = "stop"
+                elif len(sample.token_ids) >= sample.max_tokens:
+                    sample.finish = "budget"
+                segments.append(
+                    SegmentRow(
+                        sample.sample_id,
+                        sample.segments,
+                        result.token_ids,
+                        result.logprobs,
+                        result.policy_version,
+                        sample.finish or "length",
+                    )
+                )
+                sample.segments += 1
+                report.tokens += len(result.token_ids)
+                if sample.finish:
+                    self._judge(sample)
+                    report.finished += 1
+                    if self.rc.reward_mode == "decoupled":
+                        rewards.append(self._reward_row(sample, sample.judgement.reward))
+        for state in self.states.values():
+            if not state.done:
+                created += self._advance(state, rejected, rewards)
+        report.new_samples = len(created)
+        crash_point("rollout.append")
+        self.store.append(self.run_id, [self._sample_row(s) for s in created], segments, rewards)
+        if rejected:
+            self.store.reject_many(self.run_id, rejected)
+        return report
+
+    def _decode(self, active: list[Sample], requests: list[SegmentRequest]) -> list[Any]:
+        """One engine batch per distinct engine (one in all when the policy is shared)."""
+        results: list[Any] = [None] * len(active)
+        by_engine: dict[int, list[int]] = {}
+        for i, sample in enumerate(active):
+            by_engine.setdefault(id(self.engines[sample.agent]), []).append(i)
+        for indices in by_engine.values():
+            engine = self.engines[active[indices[0]].agent]
+            for i, result in zip(indices, engine.decode_segment([requests[i] for i in indices])):
+                results[i] = result
+        return results
+
+    def _sample_seed(self, sample: Sample) -> int:
+        return zlib.crc32(f"{self.seed}:{sample.sample_id}".encode())
+
+    def _judge(self, sample: Sample) -> None:
+        sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        judged = sample.parent.solution.judgement.correct if sample.agent == VERIFIER else None
+        sample.judgement = judge(
+            sample.agent,
+            sample.text,
+            reference=sample.problem.answer,
+            judged_solution_correct=judged,
+            truncated=sample.finish == "budget",
+            truncated_reward=self.rc.truncated_reward,
+        )
+
+    def _advance(self, state: ProblemState, rejected, rewards: list[RewardRow]) -> list[Sample]:
+        """Create the next turn's groups once the current turn has finished; close the problem when done."""
+        turn = max(state.turns)
+        current = state.turns[turn]
+        if any(s.finish is None for s in current):
+            return []
+        created: list[Sample] = []
+        if turn + 1 < self.rc.max_turns:
+            created = self._downstream(state, turn + 1, current, rejected)
+        if created:
+            state.turns[turn + 1] = created
+            return created
+        state.done = True
+        if self.rc.reward_mode == "shared":
+            for samples in state.turns.values():
+                rewards += [self._reward_row(s, shared_outcome(s)) for s in samples]
+        return []
+
+    def _downstream(self, state: ProblemState, turn: int, upstream: list[Sample], rejected) -> list[Sample]:
+        agent = agent_of_turn(turn)
+        problem = state.problem
+        if agent == VERIFIER:
+            candidates = upstream
+            preferred = lambda s: not s.judgement.correct  # noqa: E731  (incorrect solutions)
+        else:
+            candidates = [v for v in upstream if v.judgement.parsed == WRONG]
+            preferred = lambda v: not v.parent.solution.judgement.correct  # noqa: E731  (rightly flagged)
+        picks = select_inputs(
+            candidates, self.rc.select_inputs, self.rc.selection, preferred, self.rng, self.rc.explore
+        )
+        created: list[Sample] = []
+        for pick in picks:
+            if agent == VERIFIER:
+                text = self.roles.prompt(self.tokenizer, VERIFIER, problem.prompt, pick.text)
+            else:
+                text = self.roles.prompt(
+                    self.tokenizer, CORRECTOR, problem.prompt, pick.parent.solution.text, parse_bug_report(pick.text)
+                )
+            created += self._new_group(problem, turn, self.rc.downstream_generations, text, pick, rejected)
+        return created
+
+    def _sample_row(self, s: Sample) -> SampleRow:
+        return SampleRow(
+            s.sample_id,
+            s.problem.problem_id,
+            s.agent,
+            s.turn,
+            s.group_id,
+            self.rc.num_generations if s.turn == 0 else self.rc.downstream_generations,
+            s.prompt_ids,
+            s.parent.sample_id if s.parent else None,
+        )
+
+    @staticmethod
+    def _reward_row(s: Sample, reward: float) -> RewardRow:
+        j = s.judgement
+        return RewardRow(s.sample_id, reward, j.correct, j.outcome, j.parsed, s.text)
+
+    # ------------------------------------------------------------------ driving
+    def run(self, max_stages: int | None = None) -> list[StageReport]:
+        """Run stages until every admitted problem is done and no more can be admitted."""
+        reports = []
+        while not self.finished() and (max_stages is None or len(reports) < max_stages):
+            reports.append(self.stage())
+        return reports
+
+    def run_turn(self, turn: int) -> list[StageReport]:
+        """Decode turn `turn` of the admitted problems to its end (a Prefect task's unit of work); the
+        next turn's groups are created and stored but left for the next task."""
+        self.max_decode_turn = turn
+        reports: list[StageReport] = []
+        while not reports or any(s.turn <= turn for s in self.in_flight()):
+            if self.interrupted is not None and self.interrupted():
+                raise RolloutInterrupted(
+                    f"run {self.run_id!r}, turn {turn}: interrupted after {len(reports)} "
+                    "stages; what they decoded is stored and a resume continues it"
+                )
+            reports.append(self.stage())
+        return reports
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, problems_by_id: dict[str, Problem]) -> int:
+        """Rebuild the state of the problems in `problems_by_id` from the store; returns how many
+        samples were restored."""
+        rows = self.store.samples_of_problems(self.run_id, list(problems_by_id))
+        if not rows:
+            return 0
+        stored = self.store.load_samples(self.run_id, [r["sample_id"] for r in rows])
+        by_id: dict[str, Sample] = {}
+        for r in rows:
+            problem = problems_by_id[r["problem_id"]]
+            st = stored[r["sample_id"]]
+            sample = Sample(
+                r["sample_id"],
+                problem,
+                r["agent"],
+                r["turn"],
+                r["group_id"],
+                st.prompt_tokens.tolist(),
+                self.rc.max_tokens(r["agent"]),
+                by_id.get(r["parent_sample_id"]),
+            )
+            if sample.parent is not None:
+                sample.parent.children.append(sample)
+            sample.token_ids = st.token_ids.tolist()
+            sample.versions = st.versions.tolist()
+            sample.segments = st.num_segments
+            if st.finish_reason in ("stop", "budget"):
+                sample.finish = st.finish_reason
+                self._judge(sample)
+            by_id[sample.sample_id] = sample
+            state = self.states.setdefault(problem.problem_id, ProblemState(problem))
+            state.turns.setdefault(sample.turn, []).append(sample)
+        self.admitted = len(self.states)
+        rewarded = {r["sample_id"] for r in rows if r["rewarded"]}
+        for state in self.states.values():
+            samples = [s for t in state.turns.values() for s in t]
+            if all(s.finish for s in samples) and self._is_closed(state, rewarded):
+                state.done = True
+        return len(by_id)
+
+    def _is_closed(self, state: ProblemState, rewarded: set[str]) -> bool:
+        """A fully finished problem is done unless it still owes a downstream turn (or shared rewards)."""
+        samples = [s for t in state.turns.values() for s in t]
+        if self.rc.reward_mode == "shared":
+            return all(s.sample_id in rewarded for s in samples)
+        last = max(state.turns)
+        if last + 1 >= self.rc.max_turns:
+            return True
+        if agent_of_turn(last + 1) == CORRECTOR:
+            return not any(v.judgement.parsed == WRONG for v in state.turns[last])
+        return False

@@ -1,0 +1,241 @@
+"""The store's connection: DuckDB with the DuckLake catalog attached, and its retrying primitives.
+
+Why DuckLake: a plain DuckDB file is locked by one process, while rollout flows, learner flows and a
+user's SQL session run in different processes. DuckLake keeps the catalog in SQLite (or Postgres) and
+the data in Parquet, so all of them can read and write at once. The extensions are loaded from the
+installed PyPI packages (`duckdb-extension-*`), never downloaded.
+
+Concurrency: the SQLite catalog runs in WAL mode; a commit that meets a lock or a DuckLake conflict is
+rolled back and retried with jittered exponential backoff (counted in `lock_retries`).
+
+Deliberate simplification: one DuckDB connection per store guarded by a lock (tasks in threads share it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import importlib
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from marsrl_core.store.rows import StoreError
+from marsrl_core.store.schema import table_ddl, view_ddl
+
+CATALOG = "lake"
+_TRANSIENT = ("database is locked", "conflict", "failed to commit", "busy", "could not serialize")
+
+
+def _extension_files() -> dict[str, str]:
+    """Extension name -> file path, for every installed `duckdb-extension-*` package."""
+    found = {}
+    for module_name in (
+        "duckdb_extension_sqlite_scanner",
+        "duckdb_extension_ducklake",
+        "duckdb_extension_postgres_scanner",
+        "duckdb_extension_httpfs",
+    ):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        pattern = os.path.join(os.path.dirname(module.__file__), "extensions", "*", "*.duckdb_extension")
+        for path in glob.glob(pattern):
+            found[Path(path).name.split(".")[0]] = path
+    return found
+
+
+def _is_transient(err: Exception) -> bool:
+    text = str(err).lower()
+    return any(marker in text for marker in _TRANSIENT)
+
+
+class StoreConnection:
+    """One DuckDB connection with the lake attached as `CATALOG`; safe to share between threads."""
+
+    def __init__(self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True):
+        self.catalog_url = catalog_url
+        self.data_path = data_path
+        self.max_retries = max_retries
+        self.lock_retries = 0
+        self._lock = threading.RLock()
+        self._setup()
+        self._con = self._connect(create)
+
+    def _setup(self) -> None:
+        """State of the parts built on this connection, set before it opens."""
+
+    @classmethod
+    def from_config(cls, store_config: Any, **kwargs: Any) -> StoreConnection:
+        return cls(store_config.catalog_url, store_config.data_path, **kwargs)
+
+    def _connect(self, create: bool) -> duckdb.DuckDBPyConnection:
+        kind, _, target = self.catalog_url.partition(":")
+        if kind not in ("sqlite", "postgres") or not target:
+            raise StoreError(f"catalog_url={self.catalog_url!r}: expected 'sqlite:<file>' or 'postgres:<dsn>'")
+        with self._sqlite_catalog(Path(target), create) if kind == "sqlite" else contextlib.nullcontext():
+            return self._attach(kind)
+
+    def _attach(self, kind: str) -> duckdb.DuckDBPyConnection:
+        if "://" not in self.data_path:
+            try:
+                Path(self.data_path).mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(f"data_path={self.data_path!r}: cannot create folder ({err.strerror})") from None
+        extensions = _extension_files()
+        needed = ["sqlite_scanner" if kind == "sqlite" else "postgres_scanner", "ducklake"]
+        if self.data_path.startswith(("s3://", "gs://", "http")):
+            needed.insert(0, "httpfs")
+        con = duckdb.connect()
+        if "://" not in self.data_path:
+            # DuckDB's external file cache keeps the bytes of every Parquet file a query has read, until
+            # memory_limit (80% of RAM). Every append adds files and the rollout and learner re-read the
+            # whole run, so in a long-lived process the cache grows with the run's data, without bound.
+            # Local files are in the OS page cache anyway; remote data paths keep the cache.
+            con.execute("SET enable_external_file_cache = false")
+        for name in needed:
+            if name not in extensions:
+                raise StoreError(
+                    f"catalog_url={self.catalog_url!r}: the duckdb extension {name!r} is not installed "
+                    f"(pip install duckdb-extension-{name.replace('_', '-')}=={duckdb.__version__})"
+                )
+            con.execute(f"LOAD '{extensions[name]}'")
+        if self.data_path.startswith("s3://"):  # S3-compatible storage: credentials from the usual variables
+            endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+            host = endpoint.split("://", 1)[-1]
+            options = [
+                f"KEY_ID '{os.environ.get('AWS_ACCESS_KEY_ID', '')}'",
+                f"SECRET '{os.environ.get('AWS_SECRET_ACCESS_KEY', '')}'",
+                f"REGION '{os.environ.get('AWS_REGION', 'us-east-1')}'",
+            ]
+            if host:
+                options += [
+                    f"ENDPOINT '{host}'",
+                    "URL_STYLE 'path'",
+                    f"USE_SSL {str(endpoint.startswith('https')).lower()}",
+                ]
+            con.execute(f"CREATE OR REPLACE SECRET marsrl_s3 (TYPE s3, {', '.join(options)})")
+        data_path = self.data_path if "://" in self.data_path else str(Path(self.data_path).resolve()) + "/"
+        try:
+            con.execute(f"ATTACH 'ducklake:{self.catalog_url}' AS {CATALOG} (DATA_PATH '{data_path}')")
+        except duckdb.Error as err:
+            raise StoreError(f"catalog_url={self.catalog_url!r}: cannot attach DuckLake catalog ({err})") from None
+        self._con = con
+        self._transaction(lambda c: [c.execute(sql) for sql in table_ddl(CATALOG) + view_ddl(CATALOG)])
+        return con
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _sqlite_catalog(path: Path, create: bool) -> Iterator[None]:
+        """Prepare a SQLite catalog (WAL, so readers run beside one writer) and hold an exclusive lock on
+        `<catalog>.lock` while the caller attaches it: processes attach one at a time. Two processes
+        creating a new catalog at once collide: in a measured 10 tries of two processes opening a new
+        store together, one failed 8 times (DuckLake's initialisation: "database is locked"), and a
+        reader polling a catalog still being created once saw "database disk image is malformed". A
+        split run's rollout and learner processes start together on a new store."""
+        if not path.exists() and not create:
+            raise StoreError(f"catalog {str(path)!r}: no such store")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(path.with_name(path.name + ".lock"), "a")
+        except OSError as err:
+            raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                try:
+                    with sqlite3.connect(path, timeout=30) as db:
+                        db.execute("PRAGMA journal_mode=WAL")
+                except sqlite3.Error as err:
+                    raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        with self._lock:
+            self._con.close()
+
+    # ------------------------------------------------------------------ retrying primitives
+    def _retry(self, operation: Callable[[], Any], transient: Sequence[str] = ()) -> Any:
+        """Run `operation`, retrying it with jittered backoff on a transient error (`_TRANSIENT`, plus
+        the `transient` markers given)."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return operation()
+            except duckdb.Error as err:
+                retriable = _is_transient(err) or any(marker in str(err).lower() for marker in transient)
+                if not retriable or attempt == self.max_retries:
+                    raise
+                self.lock_retries += 1
+                time.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.005 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _transaction(self, body: Callable[[duckdb.DuckDBPyConnection], Any]) -> Any:
+        """Run `body` in one transaction, all or nothing, retried on transient lock errors."""
+
+        def attempt() -> Any:
+            with self._lock:
+                self._con.execute("BEGIN TRANSACTION")
+                try:
+                    result = body(self._con)
+                    self._con.execute("COMMIT")
+                    return result
+                except BaseException:
+                    self._rollback_quietly()
+                    raise
+
+        return self._retry(attempt)
+
+    def _rollback_quietly(self) -> None:
+        """End a failed transaction so the connection can run the retry (there may be none to end)."""
+        try:
+            self._con.execute("ROLLBACK")
+        except duckdb.Error:
+            pass
+
+    def _read(self, sql: str, params: Sequence[Any] = (), tables: dict[str, pa.Table] | None = None) -> pa.Table:
+        def attempt() -> pa.Table:
+            with self._lock:
+                for name, table in (tables or {}).items():
+                    self._con.register(name, table)
+                try:
+                    return self._con.execute(sql, list(params)).to_arrow_table()
+                finally:
+                    for name in tables or {}:
+                        self._con.unregister(name)
+
+        return self._retry(attempt)
+
+    @staticmethod
+    def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.Table) -> None:
+        name = f"_batch_{table}"
+        con.register(name, batch)
+        try:
+            con.execute(f"INSERT INTO {CATALOG}.{table} SELECT *, current_timestamp FROM {name}")
+        finally:
+            con.unregister(name)
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> pa.Table:
+        """Run any SQL with the lake as the default catalog (tables and views unqualified)."""
+
+        def attempt() -> pa.Table:
+            with self._lock:
+                self._con.execute(f"USE {CATALOG}")
+                try:
+                    result = self._con.execute(sql, list(params))
+                    return result.to_arrow_table() if result.description else pa.table({})
+                finally:
+                    self._con.execute("USE memory")
+
+        return self._retry(attempt)

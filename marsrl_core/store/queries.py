@@ -1,0 +1,205 @@
+"""The store's reads: what the learner polls, what a resume rebuilds, what a run looks up.
+
+- `trainable_groups(...)` lists complete, unconsumed same-input groups for an agent (or, in one
+  query, for several: `trainable_groups_by_agent`);
+- `load_samples(...)` rebuilds sample token sequences and behaviour log-probs from their segments.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from marsrl_core.store.connection import CATALOG, StoreConnection
+from marsrl_core.store.rows import StoredSample, StoreError, TrainableGroup, key_table
+from marsrl_core.store.schema import ARROW_SCHEMAS
+
+
+class StoreQueries(StoreConnection):
+    """The reads of `SegmentStore`."""
+
+    def evaluation(self, run_id: str, label: str) -> dict[str, Any] | None:
+        """The metrics of the run's last evaluation with `label`, or None if it has none."""
+        rows = (
+            self._read(
+                f"SELECT metrics_json FROM {CATALOG}.evaluations WHERE run_id = ? AND label = ?", [run_id, label]
+            )
+            .column("metrics_json")
+            .to_pylist()
+        )
+        return json.loads(rows[-1]) if rows else None
+
+    def run_config(self, run_id: str) -> dict[str, Any] | None:
+        """The config a run was started with (as recorded by `create_run`), or None for an unknown run."""
+        rows = (
+            self._read(f"SELECT config_json FROM {CATALOG}.runs WHERE run_id = ?", [run_id])
+            .column("config_json")
+            .to_pylist()
+        )
+        return json.loads(rows[0]) if rows else None
+
+    def has_event(self, run_id: str, event: str) -> bool:
+        return (
+            self._read(
+                f"SELECT count(*) AS n FROM {CATALOG}.run_events WHERE run_id = ? AND event = ?", [run_id, event]
+            )
+            .column("n")[0]
+            .as_py()
+            > 0
+        )
+
+    def trainable_groups(self, run_id: str, agent: str, limit: int | None = None) -> list[TrainableGroup]:
+        """Complete (every member rewarded), unconsumed groups of `agent`, oldest completion first."""
+        return self.trainable_groups_by_agent(run_id, [agent], limit)[agent]
+
+    def trainable_groups_by_agent(
+        self,
+        run_id: str,
+        agents: Sequence[str],
+        limit: int | Mapping[str, int] | None = None,
+        min_version: int | None = None,
+    ) -> dict[str, list[TrainableGroup]]:
+        """`trainable_groups` of several agents (at most `limit` each, or `limit[agent]`) in one query:
+        the learner polls this, so it scans the run's samples, rewards and consumptions once, not once
+        per agent.
+
+        With `min_version`, groups with a segment sampled by an older policy version come back too,
+        flagged `stale` and not counted against `limit` (all of them, so the learner can drop them)."""
+        agent_table = key_table("agent", agents)
+        if limit is not None:
+            limits = limit if isinstance(limit, Mapping) else {agent: limit for agent in agents}
+            agent_table = agent_table.append_column(
+                "max_groups", pa.array([int(limits[agent]) for agent in agents], pa.int64())
+            )
+        limited = " JOIN _agents USING (agent) WHERE stale OR position <= max_groups" if limit is not None else ""
+        sql = f"""
+            WITH members AS (
+                SELECT s.agent, s.group_id, s.sample_id, s.group_size, r.created_at AS done_at
+                FROM {CATALOG}.samples s JOIN _agents USING (agent)
+                LEFT JOIN (SELECT sample_id, min(created_at) AS created_at FROM {CATALOG}.rewards
+                           WHERE run_id = $1 GROUP BY sample_id) r USING (sample_id)
+                WHERE s.run_id = $1),
+            consumed AS (SELECT DISTINCT sample_id FROM {CATALOG}.consumptions c JOIN _agents USING (agent)
+                         WHERE c.run_id = $1),
+            complete AS (
+                SELECT agent, group_id, list(sample_id ORDER BY sample_id) AS sample_ids, max(done_at) AS completed_at
+                FROM members
+                GROUP BY agent, group_id
+                HAVING count(done_at) = any_value(group_size)
+                   AND count(*) FILTER (WHERE sample_id IN (SELECT sample_id FROM consumed)) = 0),
+            versions AS (
+                SELECT c.agent, c.group_id, min(g.policy_version) AS oldest_version
+                FROM (SELECT agent, group_id, unnest(sample_ids) AS sample_id FROM complete) c
+                JOIN {CATALOG}.segments g ON g.run_id = $1 AND g.sample_id = c.sample_id
+                GROUP BY c.agent, c.group_id),
+            flagged AS (
+                SELECT complete.*, coalesce(v.oldest_version, 0) AS oldest_version,
+                       coalesce(v.oldest_version, 0) < $2 AS stale
+                FROM complete LEFT JOIN versions v USING (agent, group_id))
+            SELECT agent, group_id, sample_ids, oldest_version, stale FROM (
+                SELECT *, row_number() OVER (PARTITION BY agent, stale ORDER BY completed_at, group_id) AS position
+                FROM flagged){limited}
+            ORDER BY agent, stale, position"""
+        floor = -1 if min_version is None else int(min_version)
+        found: dict[str, list[TrainableGroup]] = {agent: [] for agent in agents}
+        for r in self._read(sql, [run_id, floor], {"_agents": agent_table}).to_pylist():
+            found[r["agent"]].append(
+                TrainableGroup(r["group_id"], r["agent"], r["sample_ids"], int(r["oldest_version"]), bool(r["stale"]))
+            )
+        return found
+
+    def load_samples(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, StoredSample]:
+        """Rebuild samples (prompt, tokens, behaviour log-probs, versions) from their segments."""
+        ids = key_table("sample_id", sample_ids)
+        meta = self._read(
+            f"""SELECT s.sample_id, s.agent, s.group_id, s.prompt_tokens, r.reward, r.parsed
+                FROM {CATALOG}.samples s JOIN _ids USING (sample_id)
+                LEFT JOIN {CATALOG}.rewards r ON r.run_id = s.run_id AND r.sample_id = s.sample_id
+                WHERE s.run_id = ?""",
+            [run_id],
+            {"_ids": ids},
+        ).to_pylist()
+        segs = self._read(
+            f"""SELECT g.sample_id, g.segment_index, g.token_ids, g.logprobs, g.policy_version, g.finish_reason
+                FROM {CATALOG}.segments g JOIN _ids USING (sample_id)
+                WHERE g.run_id = ? ORDER BY g.sample_id, g.segment_index""",
+            [run_id],
+            {"_ids": ids},
+        ).to_pylist()
+        by_sample: dict[str, list[dict[str, Any]]] = {}
+        for seg in segs:
+            by_sample.setdefault(seg["sample_id"], []).append(seg)
+        result = {}
+        for m in meta:
+            parts = by_sample.get(m["sample_id"], [])
+            tokens = [np.asarray(p["token_ids"], dtype=np.int64) for p in parts]
+            result[m["sample_id"]] = StoredSample(
+                sample_id=m["sample_id"],
+                agent=m["agent"],
+                group_id=m["group_id"],
+                prompt_tokens=np.asarray(m["prompt_tokens"], dtype=np.int64),
+                token_ids=np.concatenate(tokens) if tokens else np.zeros(0, np.int64),
+                logprobs=np.concatenate([np.asarray(p["logprobs"], np.float32) for p in parts])
+                if parts
+                else np.zeros(0, np.float32),
+                versions=np.concatenate([np.full(len(t), p["policy_version"], np.int64) for t, p in zip(tokens, parts)])
+                if parts
+                else np.zeros(0, np.int64),
+                finish_reason=parts[-1]["finish_reason"] if parts else None,
+                reward=m["reward"],
+                parsed=m["parsed"],
+                num_segments=len(parts),
+            )
+        missing = [sid for sid in sample_ids if sid not in result]
+        if missing:
+            raise StoreError(f"sample_id: unknown sample id(s) in run {run_id!r}: {', '.join(missing[:5])}")
+        return result
+
+    def samples_of_problems(self, run_id: str, problem_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The stored samples of these problems (ids, agent, turn, group, parent, rewarded or not), by turn.
+
+        Filtered in SQL, so a rollout task's cost does not grow with the run's size."""
+        ids = key_table("problem_id", problem_ids)
+        return self._read(
+            f"""SELECT s.sample_id, s.problem_id, s.agent, s.turn, s.group_id, s.parent_sample_id,
+                       EXISTS (SELECT 1 FROM {CATALOG}.rewards r
+                               WHERE r.run_id = s.run_id AND r.sample_id = s.sample_id) AS rewarded
+                FROM {CATALOG}.samples s JOIN _ids USING (problem_id)
+                WHERE s.run_id = ? ORDER BY s.turn, s.sample_id""",
+            [run_id],
+            {"_ids": ids},
+        ).to_pylist()
+
+    def known_problems(self, run_id: str, problem_ids: Sequence[str]) -> set[str]:
+        """Which of these problem ids the run has recorded already."""
+        ids = key_table("problem_id", problem_ids)
+        return set(
+            self._read(
+                f"SELECT DISTINCT p.problem_id FROM {CATALOG}.problems p JOIN _ids USING (problem_id) "
+                "WHERE p.run_id = ?",
+                [run_id],
+                {"_ids": ids},
+            )
+            .column("problem_id")
+            .to_pylist()
+        )
+
+    def latest_version(self, run_id: str) -> tuple[int, str] | None:
+        """The newest committed policy version and its checkpoint, or None before the first step."""
+        rows = self._read(
+            f"SELECT version, checkpoint_uri FROM {CATALOG}.policy_versions WHERE run_id = ? "
+            "ORDER BY version DESC LIMIT 1",
+            [run_id],
+        ).to_pylist()
+        return (rows[0]["version"], rows[0]["checkpoint_uri"]) if rows else None
+
+    def count(self, table: str, run_id: str | None = None) -> int:
+        if table not in ARROW_SCHEMAS:
+            raise StoreError(f"table={table!r}: unknown table; choose one of {sorted(ARROW_SCHEMAS)}")
+        where = " WHERE run_id = ?" if run_id is not None else ""
+        params = [run_id] if run_id is not None else []
+        return self._read(f"SELECT count(*) AS n FROM {CATALOG}.{table}{where}", params).column("n")[0].as_py()

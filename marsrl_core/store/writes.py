@@ -1,0 +1,235 @@
+"""The store's writes: append-only rows, each call one transaction.
+
+- `append(...)` writes samples, segments and rewards of one rollout stage in one transaction;
+- `commit_step(...)` records a learner step's consumptions, its policy version and its metrics in one
+  transaction (exactly-once: a sample consumed by a committed step is never listed again; a step that
+  never committed leaves its samples trainable). Samples the learner dropped as too stale are
+  consumptions too, with `learner_step = DROPPED_STALE` (-1), so they are accounted for and never
+  listed again.
+
+Appends never conflict logically, so a retried commit always converges. Deliberate simplification:
+unknown-sample checks use a bounded in-process cache and fall back to one query.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from marsrl_core.store.connection import CATALOG, StoreConnection
+from marsrl_core.store.rows import (
+    DROPPED_STALE,
+    RewardRow,
+    SampleRow,
+    SegmentRow,
+    StoreError,
+    key_table,
+    rewards_batch,
+    samples_batch,
+    segments_batch,
+)
+from marsrl_core.store.schema import ARROW_SCHEMAS
+
+KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown-id checks
+
+
+class StoreWrites(StoreConnection):
+    """The writes of `SegmentStore`."""
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._known_samples: set[tuple[str, str]] = set()  # (run_id, sample_id) seen in the store
+
+    def create_run(self, run_id: str, config: dict[str, Any]) -> None:
+        batch = pa.table(
+            {"run_id": [run_id], "config_json": [json.dumps(config, default=str)]}, schema=ARROW_SCHEMAS["runs"]
+        )
+        self._transaction(lambda c: self._insert(c, "runs", batch))
+
+    def add_problems(self, run_id: str, problems: Iterable[Any]) -> int:
+        """Record problems (objects with problem_id, prompt, answer, source)."""
+        rows = list(problems)
+        if not rows:
+            return 0
+        batch = pa.table(
+            {
+                "run_id": [run_id] * len(rows),
+                "problem_id": [p.problem_id for p in rows],
+                "prompt": [p.prompt for p in rows],
+                "answer": [p.answer for p in rows],
+                "source": [p.source for p in rows],
+            },
+            schema=ARROW_SCHEMAS["problems"],
+        )
+        self._transaction(lambda c: self._insert(c, "problems", batch))
+        return len(rows)
+
+    def record_evaluation(self, run_id: str, label: str, dataset: str, metrics: dict[str, Any]) -> None:
+        """Append one evaluation's metrics (e.g. label 'before' / 'after')."""
+        batch = pa.table(
+            {"run_id": [run_id], "label": [label], "dataset": [dataset], "metrics_json": [json.dumps(metrics)]},
+            schema=ARROW_SCHEMAS["evaluations"],
+        )
+        self._transaction(lambda c: self._insert(c, "evaluations", batch))
+
+    def mark(self, run_id: str, event: str, detail: str = "") -> None:
+        """Record a run event (e.g. 'rollouts_finished'), visible to every process."""
+        batch = pa.table({"run_id": [run_id], "event": [event], "detail": [detail]}, schema=ARROW_SCHEMAS["run_events"])
+        self._transaction(lambda c: self._insert(c, "run_events", batch))
+
+    def reject(self, run_id: str, source: str, location: str, reason: str, payload: str = "") -> None:
+        """Record a rejected input (what and why); the run goes on without it."""
+        self.reject_many(run_id, [(source, location, reason, payload)])
+
+    def reject_many(self, run_id: str, rows: Sequence[tuple[str, str, str, str]]) -> None:
+        if not rows:
+            return
+        columns = list(zip(*rows))
+        batch = pa.table(
+            {
+                "run_id": [run_id] * len(rows),
+                "source": columns[0],
+                "location": columns[1],
+                "reason": columns[2],
+                "payload": [p[:2000] for p in columns[3]],
+            },
+            schema=ARROW_SCHEMAS["rejected_inputs"],
+        )
+        self._transaction(lambda c: self._insert(c, "rejected_inputs", batch))
+
+    def append(
+        self,
+        run_id: str,
+        samples: Sequence[SampleRow] = (),
+        segments: Sequence[SegmentRow] = (),
+        rewards: Sequence[RewardRow] = (),
+    ) -> None:
+        """Append one stage's new samples, decoded segments and rewards in a single transaction."""
+        batches = {}
+        if samples:
+            batches["samples"] = samples_batch(run_id, samples)
+        new_ids = {s.sample_id for s in samples}
+        referenced = {s.sample_id for s in segments} | {r.sample_id for r in rewards}
+        self._check_known(run_id, referenced - new_ids)
+        if segments:
+            batches["segments"] = segments_batch(run_id, segments)
+        if rewards:
+            batches["rewards"] = rewards_batch(run_id, rewards)
+        if not batches:
+            return
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            for table, batch in batches.items():
+                self._insert(con, table, batch)
+
+        self._transaction(body)
+        self._remember(run_id, new_ids)
+
+    def commit_step(
+        self,
+        run_id: str,
+        step: int,
+        consumed: dict[str, Sequence[str]],
+        checkpoint_uri: str,
+        mlflow_run_id: str | None = None,
+        metrics: dict[str, dict[str, float]] | None = None,
+        dropped: dict[str, Sequence[str]] | None = None,
+    ) -> None:
+        """Exactly-once commit of a learner step: consumptions + policy version + metrics together.
+
+        `consumed` maps agent -> sample ids trained in this step; `dropped` (same shape) the samples this
+        step dropped untrained as too stale (recorded with `learner_step = DROPPED_STALE`). Call it
+        only after the checkpoint at
+        `checkpoint_uri` is completely written. Raises StoreError (and writes nothing) if any sample
+        was already consumed by a committed step or the version already exists.
+        """
+        pairs = [(sid, agent, step) for agent, ids in consumed.items() for sid in ids]
+        pairs += [(sid, agent, DROPPED_STALE) for agent, ids in (dropped or {}).items() for sid in ids]
+        ids = [sid for sid, _, _ in pairs]
+        if len(set(ids)) != len(ids):
+            raise StoreError(f"commit_step(step={step}): a sample id appears twice in consumed")
+        self._check_known(run_id, set(ids))
+        consumptions = pa.table(
+            {
+                "run_id": [run_id] * len(pairs),
+                "sample_id": ids,
+                "agent": [a for _, a, _ in pairs],
+                "learner_step": [k for _, _, k in pairs],
+            },
+            schema=ARROW_SCHEMAS["consumptions"],
+        )
+        version = pa.table(
+            {
+                "run_id": [run_id],
+                "version": [step],
+                "checkpoint_uri": [checkpoint_uri],
+                "mlflow_run_id": [mlflow_run_id],
+            },
+            schema=ARROW_SCHEMAS["policy_versions"],
+        )
+        metric_rows = metrics or {}
+        steps = pa.table(
+            {
+                "run_id": [run_id] * len(metric_rows),
+                "step": [step] * len(metric_rows),
+                "agent": list(metric_rows),
+                "metrics_json": [json.dumps(m) for m in metric_rows.values()],
+            },
+            schema=ARROW_SCHEMAS["train_steps"],
+        )
+        ids_table = key_table("sample_id", ids)
+
+        def body(con: duckdb.DuckDBPyConnection) -> None:
+            con.register("_step_ids", ids_table)
+            try:
+                twice = con.execute(
+                    f"SELECT count(*) FROM {CATALOG}.consumptions c JOIN _step_ids USING (sample_id) "
+                    "WHERE c.run_id = ?",
+                    [run_id],
+                ).fetchone()[0]
+            finally:
+                con.unregister("_step_ids")
+            exists = con.execute(
+                f"SELECT count(*) FROM {CATALOG}.policy_versions WHERE run_id = ? AND version = ?", [run_id, step]
+            ).fetchone()[0]
+            if twice or exists:
+                raise StoreError(
+                    f"commit_step(step={step}): {twice} samples already consumed, "
+                    f"version {step} {'exists' if exists else 'is new'}; nothing written"
+                )
+            self._insert(con, "consumptions", consumptions)
+            self._insert(con, "policy_versions", version)
+            if len(metric_rows):
+                self._insert(con, "train_steps", steps)
+
+        self._transaction(body)
+
+    def _remember(self, run_id: str, sample_ids: Iterable[str]) -> None:
+        """Cache sample ids known to exist; the cache is dropped when full (a miss costs one query), so a
+        days-long run does not hold every id it ever wrote."""
+        if len(self._known_samples) > KNOWN_SAMPLES_CACHE:
+            self._known_samples.clear()
+        self._known_samples |= {(run_id, sid) for sid in sample_ids}
+
+    def _check_known(self, run_id: str, sample_ids: set[str]) -> None:
+        unknown = {sid for sid in sample_ids if (run_id, sid) not in self._known_samples}
+        if not unknown:
+            return
+        found = (
+            self._read(
+                f"SELECT DISTINCT s.sample_id FROM {CATALOG}.samples s JOIN _ids USING (sample_id) WHERE s.run_id = ?",
+                [run_id],
+                {"_ids": key_table("sample_id", sorted(unknown))},
+            )
+            .column("sample_id")
+            .to_pylist()
+        )
+        self._remember(run_id, found)
+        missing = unknown - set(found)
+        if missing:
+            shown = ", ".join(sorted(missing)[:5])
+            raise StoreError(f"sample_id: {len(missing)} unknown sample id(s) in run {run_id!r}: {shown}")
