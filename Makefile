@@ -1,4 +1,5 @@
 # Two commands for a newcomer on a fresh machine: `make train` and `make test`.
+# `make test` lints (ruff, pinned in the dev extra), then runs the suite in three pytest processes.
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -34,6 +35,8 @@ train: install
 # servers have stopped, Prefect's events client logs an error for every task state change (about
 # 650 in one CI run), which changes the timing the pipelined run learns under.
 test: $(TEST_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -m "not vllm and not learning"
 	$(BIN)/python -m pytest -q -m learning
 	$(BIN)/python -m pytest -q -m vllm
@@ -42,6 +45,7 @@ bench: $(TEST_STAMP)
 	$(BIN)/python benchmarks/store_bench.py
 	$(BIN)/python benchmarks/engine_bench.py
 	$(BIN)/python benchmarks/learner_bench.py
+	$(BIN)/python benchmarks/pipeline_bench.py
 
 clean:
 	rm -rf $(VENV) marsrl mlflow.db mlruns benchmarks/results

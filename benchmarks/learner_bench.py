@@ -28,21 +28,13 @@ NAIVE_LIMIT = 16384  # naive at 64K needs > 30 GB
 
 def one_step(mode: str, length: int) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    from marsrl_core.demo.tiny import tiny_llama_config
     from marsrl_core.learn.algorithms import chunked_logprobs, naive_logprobs, policy_loss
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=32,
-        max_position_embeddings=length + 8,
-    )
+    config = tiny_llama_config(VOCAB, 128, 2, 4, max_position_embeddings=length + 8)
     model = LlamaForCausalLM(config).train()
     model.gradient_checkpointing_enable()
     ids = torch.randint(0, VOCAB, (1, length))

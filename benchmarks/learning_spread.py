@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
+from marsrl_core.cli import add_overrides_option  # noqa: E402
 
 MEASURES = {
     "solver": "solver_acc",
@@ -90,20 +91,11 @@ def summarise(runs: list[dict]) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        default=5,
-        help="How many seeds, from --first-seed on (at least 2; the test margins used 5).",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Override a field of the learning run (repeatable), to compare a variant's "
-        "spread; the figures then go to learning_spread_variant.json, not the margins' file.",
+    parser.add_argument("--seeds", type=int, default=5, help="How many seeds from --first-seed (at least 2).")
+    add_overrides_option(
+        parser,
+        "Override a field of the learning run (repeatable), to compare a variant's spread; the figures then "
+        "go to learning_spread_variant.json, not the margins' file.",
     )
     parser.add_argument("--first-seed", type=int, default=0, help="The first seed.")
     parser.add_argument(

@@ -1,15 +1,15 @@
 """Prefect overhead per rollout stage: the same rollout batches decoded turn by turn directly through
-`marsrl_core.runtime.workers` and through the Prefect `rollouts` flow (what `marsrl rollout` runs: one rollout
+`marsrl_core.runtime.work` and through the Prefect `rollouts` flow (what `marsrl rollout` runs: one rollout
 subflow per batch, a DAG of agent-turn tasks), side by side. Both paths run `rollout.batches_in_flight`
 batches at a time (the default, 2), as the `train` and `rollouts` flows do; `--batches-in-flight 1`
 runs them one after another.
 
-The overhead is accounted inside each run: its wall-clock minus the time during which some `workers`
+The overhead is accounted inside each run: its wall-clock minus the time during which some `work`
 call (the work both paths do: opening the store, recording the run and a batch, decoding a turn,
 marking a batch done) was running, the union of those calls' intervals. With batches in flight, one
 batch's Prefect bookkeeping can overlap another batch's decoding and then costs nothing on the
 critical path; what is left is the time no decoding happened. (On this 2-core machine the decoding
-itself also runs slower beside Prefect's threads and API server, 11% in session 9's 16-problem run,
+itself also runs slower beside Prefect's threads and API server, by about 11% in a 16-problem run,
 which only the paired difference shows.) Subtracting two runs' totals instead (the paired difference,
 also printed) cannot resolve a 5% goal here: decoding times of identical runs differ by ±5% on this
 shared machine. The overhead has two parts, both reported:
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
 from marsrl_core.config import load_config  # noqa: E402
-from marsrl_core.runtime import workers  # noqa: E402
+from marsrl_core.runtime import work as workers  # noqa: E402
 
 BATCHES = 6
 REPEATS = 3
@@ -80,7 +80,7 @@ def union_s(intervals: list[tuple[float, float]]) -> float:
 
 
 class WorkTimer:
-    """Wraps the `workers` functions the rollout tasks call and records when each call ran."""
+    """Wraps the `work` functions the rollout tasks call and records when each call ran."""
 
     # The store's opening (a new catalog for each run here) and the run's row are work both paths do;
     # the `rollouts` flow does them in its body, before its first batch.
@@ -304,10 +304,10 @@ def main() -> None:
     print_rows(
         f"rollout of {BATCHES} batches x {problems} problems, {in_flight} in flight, tiny model, "
         f"32-token segments, Prefect server on {database} (median of {REPEATS})",
-        ["path", "wall s", "in workers s (union)", "stages", "API server CPU s"],
+        ["path", "wall s", "in work s (union)", "stages", "API server CPU s"],
         [
             [
-                "direct (marsrl_core.runtime.workers)",
+                "direct (marsrl_core.runtime.work)",
                 median("direct", "wall_s"),
                 median("direct", "work_s"),
                 runs["direct"][0]["stages"],

@@ -43,8 +43,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
-from flows.cli import STORE_LOCK_RETRIES  # noqa: E402
-from marsrl_core.runtime.workers import STOP_REQUESTED  # noqa: E402
+from marsrl_core.runtime.events import STOP_REQUESTED, STORE_LOCK_RETRIES  # noqa: E402
 from marsrl_core.store import SegmentStore  # noqa: E402
 
 RUN = "soak"

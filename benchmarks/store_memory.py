@@ -219,6 +219,20 @@ def duckdb_connection_with_join_tables():
     return con
 
 
+COLUMNS = (
+    "rss_start_mb",
+    "rss_end_mb",
+    "kb_per_operation",
+    "malloc_in_use_kb_per_operation",
+    "duckdb_allocator_resident_kb_per_operation",
+    "object_cache_mb",
+    "object_cache_kb_per_operation",
+    "ms_per_operation",
+    "store_process_rss_end_mb",
+    "store_process_replacements",
+)  # printed, in order
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--variant":  # the child process of one variant
         print(json.dumps(measure(sys.argv[2])))
@@ -249,22 +263,7 @@ def main() -> None:
             "store process MB at end",
             "store process replacements",
         ],
-        [
-            [
-                v,
-                f["rss_start_mb"],
-                f["rss_end_mb"],
-                f["kb_per_operation"],
-                f["malloc_in_use_kb_per_operation"],
-                f["duckdb_allocator_resident_kb_per_operation"],
-                f["object_cache_mb"],
-                f["object_cache_kb_per_operation"],
-                f["ms_per_operation"],
-                f["store_process_rss_end_mb"],
-                f["store_process_replacements"],
-            ]
-            for v, f in figures.items()
-        ],
+        [[v, *[f[key] for key in COLUMNS]] for v, f in figures.items()],
     )
     print(f"written to {write_results('store_memory', figures)}")
 

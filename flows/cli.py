@@ -21,18 +21,16 @@ from pathlib import Path
 
 from marsrl_core import cli as core_cli
 from marsrl_core.config import ConfigError
-from marsrl_core.runtime.jobs import print_report, train_summary
-
-STORE_LOCK_RETRIES = "store_lock_retries"  # run event written when a split-run process ends: "<process>:<n>"
+from marsrl_core.runtime.report import print_report, train_summary
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.train import train_flow
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import work
 
     cfg = core_cli._config(args)
     if args.resume:
-        cfg = workers.resumed_config(cfg, args.resume)  # the stored config, so the run continues as it began
+        cfg = work.resumed_config(cfg, args.resume)  # the stored config, so the run continues as it began
         core_cli.console.print(f"resuming run [bold]{args.resume}[/bold]")
     start = time.perf_counter()
     result = train_flow(cfg, args.resume or args.run_id)
@@ -94,23 +92,25 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from flows.rollout import rollouts_flow
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import events
+    from marsrl_core.runtime.context import runtime
 
     cfg = core_cli._config(args)
     rollouts_flow(cfg, args.run_id, args.batches or None, finish=args.finish)
-    store = workers.store_for(cfg)
-    store.mark(args.run_id, STORE_LOCK_RETRIES, f"rollout:{store.lock_retries}")
+    store = runtime().store(cfg)
+    store.mark(args.run_id, events.STORE_LOCK_RETRIES, f"rollout:{store.lock_retries}")
     return 0
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
     from flows.learner import learner_flow
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import events
+    from marsrl_core.runtime.context import runtime
 
     cfg = core_cli._config(args)
     steps = learner_flow(cfg, args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
-    store = workers.store_for(cfg)
-    store.mark(args.run_id, STORE_LOCK_RETRIES, f"learner:{store.lock_retries}")
+    store = runtime().store(cfg)
+    store.mark(args.run_id, events.STORE_LOCK_RETRIES, f"learner:{store.lock_retries}")
     core_cli.console.print(f"learner stopped after step {steps}")
     return 0
 

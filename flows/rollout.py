@@ -15,7 +15,7 @@ the next one's decoding. Each subflow runs in a thread of its own with the calli
 writes conflict and the client retries the losing request after 2 s (HTTP 503).
 
 When the calling flow stops (a signal, Ctrl-C, a batch that failed), the batches in flight stop at
-their next stage boundary (`workers.interrupt`): a stop takes one stage, not the rest of
+their next stage boundary (`Runtime.interrupt`): a stop takes one stage, not the rest of
 the batches, and a resume continues from their stored segments.
 
 Deliberate simplification: the slots live in the process that runs the subflows (as the engine does);
@@ -23,107 +23,20 @@ a rollout flow run on its own (a deployment run of one batch) decodes without wa
 
 from __future__ import annotations
 
-import contextvars
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, TypeVar
 
 from prefect import flow
 
-from flows.subflows import parent_heartbeat_only
+from flows.slots import DecodeSlots, keep_in_flight
+from flows.subflows import in_thread, parent_heartbeat_only
 from marsrl_core.config import MarsRLConfig, default_config
-from marsrl_core.rollout.scheduler import agent_of_turn
-from marsrl_core.runtime import workers
+from marsrl_core.rollout.samples import agent_of_turn
+from marsrl_core.runtime import events, work
+from marsrl_core.runtime.context import runtime
 from tasks.rollout import record_batch, rollout_turn
 
-T = TypeVar("T")
-
 PREPARED_AHEAD = 1  # rollout subflows started beyond `batches_in_flight`, waiting for a decode slot
-
-
-class DecodeSlots:
-    """At most `limit` of a run's batches decode at once in this process, in the order they were
-    queued. A batch whose subflow started ahead waits here for its turn and a free slot; it then
-    decodes only if `stop()` has not been asked for meanwhile (the flow stops starting batches then,
-    and a batch prepared ahead counts as not started)."""
-
-    _by_run: dict[str, DecodeSlots] = {}
-    _registry_lock = threading.Lock()
-
-    def __init__(self, limit: int, stop: Callable[[], bool]):
-        self.limit, self.stop = limit, stop
-        self._changed = threading.Condition()
-        self._waiting: list[int] = []  # batches queued and not yet decoding, oldest first
-        self._started: set[int] = set()  # queued batches whose subflow has reached `hold`
-        self._decoding = 0
-        self._closed = False  # the batches' flow is done (or failed): waiting batches do not decode
-
-    def queue(self, batch_index: int) -> None:
-        with self._changed:
-            self._waiting.append(batch_index)
-
-    def wait_until_started(self, batch_index: int, future: Future) -> None:
-        """Until `batch_index`'s subflow run has started (reached `hold`) or its future has ended."""
-        with self._changed:
-            while batch_index not in self._started and not future.done():
-                self._changed.wait(0.05)
-
-    @classmethod
-    @contextmanager
-    def open(cls, run_id: str, limit: int, stop: Callable[[], bool]) -> Iterator[DecodeSlots]:
-        with cls._registry_lock:
-            if run_id in cls._by_run:
-                raise RuntimeError(f"run {run_id!r}: its batches are already being run in this process")
-            cls._by_run[run_id] = slots = cls(limit, stop)
-        try:
-            yield slots
-        finally:
-            with cls._registry_lock:
-                del cls._by_run[run_id]
-            slots.close()
-
-    def close(self) -> None:
-        """Batches still waiting for a slot will not decode."""
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-
-    @classmethod
-    @contextmanager
-    def hold(cls, run_id: str, batch_index: int) -> Iterator[bool]:
-        """Wait for `batch_index`'s turn and a slot (no wait for a batch that `run_batches` did not
-        queue); yields whether to decode."""
-        slots = cls._by_run.get(run_id)
-        if slots is None:
-            yield True
-            return
-        with slots._changed:
-            queued = batch_index in slots._waiting
-            if queued:
-                slots._started.add(batch_index)
-                slots._changed.notify_all()
-                slots._changed.wait_for(
-                    lambda: slots._closed or (slots._waiting[0] == batch_index and slots._decoding < slots.limit)
-                )
-                got_slot = not slots._closed
-                if got_slot:
-                    slots._waiting.pop(0)
-                    slots._decoding += 1
-                    slots._changed.notify_all()  # the next batch in line may take a free slot now
-        if not queued:
-            yield True
-            return
-        if not got_slot:
-            yield False
-            return
-        try:
-            yield not slots.stop()
-        finally:
-            with slots._changed:
-                slots._decoding -= 1
-                slots._changed.notify_all()
 
 
 @flow(name="rollout", log_prints=True)
@@ -146,7 +59,7 @@ def _decode_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> list[d
         previous = task(config, run_id, batch_index, turn, wait_for=[previous], return_state=True)
         states.append(previous)
     results = [state.result() for state in states]
-    workers.mark_batch_done(config, run_id, batch_index)  # a resumed run skips it
+    work.mark_batch_done(config, run_id, batch_index)  # a resumed run skips it
     return results
 
 
@@ -161,23 +74,6 @@ def _rollout_subflow(config: MarsRLConfig, run_id: str, batch_index: int) -> int
     return None if turns is None else sum(turn["stages"] for turn in turns)
 
 
-def keep_in_flight(
-    items: Iterable[T], limit: int, submit: Callable[[T], Any], stop: Callable[[], bool] = lambda: False
-) -> Iterator[Any]:
-    """`submit(item)` for each item in order, at most `limit` unfinished at a time; the oldest is awaited
-    (`.result()` of the future `submit` returned) before the next starts. `stop` is asked before each new
-    item; once it says so, those running finish and no more start. Yields the finished items' results,
-    in order, as they finish (a run of any length keeps none of them)."""
-    pending, running = list(items), []
-    while pending or running:
-        if pending and stop():
-            pending.clear()
-        while pending and len(running) < limit:
-            running.append(submit(pending.pop(0)))
-        if running:
-            yield running.pop(0).result()
-
-
 def run_batches(
     config: MarsRLConfig, run_id: str, batches: Iterable[int], stop: Callable[[], bool] = lambda: False
 ) -> dict[str, int]:
@@ -190,8 +86,7 @@ def run_batches(
 
     def submit(batch: int) -> Future:
         slots.queue(batch)  # before the subflow starts: batches take their slots in this order
-        # The calling flow's context goes with it, so the rollout flow runs as its subflow.
-        future = pool.submit(contextvars.copy_context().run, _rollout_subflow, config, run_id, batch)
+        future = in_thread(pool, _rollout_subflow, config, run_id, batch)
         # One subflow run is created at a time: on the local server's SQLite, concurrent creations
         # conflict, and each conflict costs the client a retry after 2 s (HTTP 503).
         slots.wait_until_started(batch, future)
@@ -199,7 +94,7 @@ def run_batches(
 
     done = {"batches": 0, "stages": 0}
     with DecodeSlots.open(run_id, limit, stop) as slots, ThreadPoolExecutor(limit + PREPARED_AHEAD) as pool:
-        workers.clear_interrupt(run_id)  # an earlier call for this run in this process may have been stopped
+        runtime().clear_interrupt(run_id)  # an earlier call for this run in this process may have been stopped
         try:
             for stages in keep_in_flight(batches, limit + PREPARED_AHEAD, submit, stop):
                 if stages is not None:
@@ -210,7 +105,7 @@ def run_batches(
             # the batches in flight stop at their next stage instead of decoding to their end, those
             # waiting for a slot do not start, and a learner of the run in this process stops before its
             # next step; what they decoded is stored for a resume.
-            workers.interrupt(run_id)
+            runtime().interrupt(run_id)
             slots.close()
             raise
     return done
@@ -227,12 +122,10 @@ def rollouts_flow(
     subflows under one heartbeat: the rollout side of a split run (`marsrl rollout`). Once a
     `stop_requested` run event is recorded it starts no new batch (those running finish); with `finish`
     it then marks the rollouts finished. Returns the number of batches and of rollout stages it ran."""
-    from flows.learner import ROLLOUTS_FINISHED
-
-    store = workers.store_for(config)
-    workers.start_run(config, run_id)
+    store = runtime().store(config)
+    work.start_run(config, run_id)
     todo = batches if batches is not None else range(config.data.num_batches)
-    done = run_batches(config, run_id, todo, stop=lambda: store.has_event(run_id, workers.STOP_REQUESTED))
+    done = run_batches(config, run_id, todo, stop=lambda: store.has_event(run_id, events.STOP_REQUESTED))
     if finish:
-        store.mark(run_id, ROLLOUTS_FINISHED)
+        store.mark(run_id, events.ROLLOUTS_FINISHED)
     return done

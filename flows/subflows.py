@@ -1,4 +1,7 @@
-"""Running flows inside a flow: without a heartbeat of their own.
+"""Running flows inside a flow: in threads of their own, without a heartbeat of their own.
+
+`in_thread(pool, fn, *args)` runs `fn` (which calls a flow) in a thread of `pool` with the calling
+flow's context, so the flow runs as its subflow; it returns a `concurrent.futures.Future`.
 
 A Prefect flow run sends a heartbeat event (every 180 s by default) so that the server can tell a
 crashed run from a long one. A subflow runs in its parent's process, and the parent's heartbeat
@@ -17,9 +20,12 @@ block holds only subflow calls of a running flow.
 
 from __future__ import annotations
 
+import contextvars
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import prefect.context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
@@ -45,3 +51,9 @@ def parent_heartbeat_only() -> Iterator[None]:
         return
     with prefect.context.SettingsContext(profile=context.profile, settings=_heartbeat_free(context.settings)):
         yield
+
+
+def in_thread(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> Future:
+    """`fn(*args)` in a thread of `pool`, with the calling flow's context: a flow it calls is a subflow
+    of the calling flow."""
+    return pool.submit(contextvars.copy_context().run, fn, *args)

@@ -13,27 +13,26 @@ from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
-from prefect.task_runners import ThreadPoolTaskRunner
+from prefect import flow
 
 from flows.evaluate import evaluate_flow
-from flows.learner import ROLLOUTS_FINISHED, learner_flow
+from flows.learner import learner_flow
 from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
-from flows.subflows import parent_heartbeat_only
+from flows.subflows import in_thread, parent_heartbeat_only
 from marsrl_core.config import MarsRLConfig, default_config
-from marsrl_core.runtime import workers
+from marsrl_core.runtime import events, work
+from marsrl_core.runtime.context import runtime
 
 
-@task(name="run-learner-flow", cache_policy=NO_CACHE)
-def _learner(config: MarsRLConfig, run_id: str) -> int:
+def _learner_subflow(config: MarsRLConfig, run_id: str) -> int:
     with parent_heartbeat_only():
         return learner_flow(config, run_id)
 
 
-@flow(name="train", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=8))
+@flow(name="train", log_prints=True)
 def train_flow(
     config: MarsRLConfig = default_config(),
     run_id: str | None = None,
@@ -43,14 +42,15 @@ def train_flow(
     if config.sft.enabled and config.model.path is None:  # warm start first (cached); a resumed run has its path
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": sft_flow(config)})})
     run_id = run_id or f"{config.run_name}-{uuid.uuid4().hex[:8]}"
-    workers.clear_interrupt(run_id)  # an earlier run of this id in this process may have been stopped
-    workers.start_run(config, run_id)
-    store = workers.store_for(config)
+    rt = runtime()
+    rt.clear_interrupt(run_id)  # an earlier run of this id in this process may have been stopped
+    work.start_run(config, run_id)
+    store = rt.store(config)
     result: dict = {"run_id": run_id}
     if evaluate_before:
         result["before"] = store.evaluation(run_id, "before") or evaluate_flow(config, run_id, "before")
     start = time.perf_counter()
-    pending = [b for b in range(config.data.num_batches) if not store.has_event(run_id, workers.batch_done_event(b))]
+    pending = [b for b in range(config.data.num_batches) if not store.has_event(run_id, events.batch_done(b))]
     if config.rollout.synchronous:  # the baseline: whole batches decoded, then trained on, in turn
         for batch in pending:
             with parent_heartbeat_only():
@@ -58,28 +58,29 @@ def train_flow(
                 steps = learner_flow(config, run_id, idle_timeout_s=0.0)
             if steps >= config.learner.max_steps:  # as the pipelined path: no batch the learner will not use
                 break
-        store.mark(run_id, ROLLOUTS_FINISHED)
+        store.mark(run_id, events.ROLLOUTS_FINISHED)
         result["learner_steps"] = steps = learner_flow(config, run_id)
     else:
         # Build the learner (model, optimizer, MLflow run: seconds, more on a busy machine) before any
         # rollout starts: rollouts that run ahead of a learner still starting up produce groups that
         # are already past `learner.max_staleness` when it takes its first steps.
-        workers.learner_for(config, run_id, workers.tracker_for(config, run_id))
-        learner = _learner.submit(config, run_id)
-        try:
-            # Once the learner has its steps (or failed), no more batches start.
-            run_batches(config, run_id, pending, stop=learner.wrapped_future.done)
-            # A learner that failed stopped the batches early: the rollouts are not finished, and a
-            # resumed run must still decode the rest (its learner would stop on the mark).
-            learner_failed = learner.wrapped_future.done() and not learner.state.is_completed()
-            if not learner_failed and not store.has_event(run_id, ROLLOUTS_FINISHED):
-                store.mark(run_id, ROLLOUTS_FINISHED)
-            result["learner_steps"] = steps = learner.result()
-        except BaseException:  # a signal or a failure: the learner stops before its next step, not at its timeout
-            workers.interrupt(run_id)
-            raise
+        rt.learner(config, run_id)
+        with ThreadPoolExecutor(1) as pool:
+            learner = in_thread(pool, _learner_subflow, config, run_id)
+            try:
+                # Once the learner has its steps (or failed), no more batches start.
+                run_batches(config, run_id, pending, stop=learner.done)
+                # A learner that failed stopped the batches early: the rollouts are not finished, and a
+                # resumed run must still decode the rest (its learner would stop on the mark).
+                learner_failed = learner.done() and learner.exception() is not None
+                if not learner_failed and not store.has_event(run_id, events.ROLLOUTS_FINISHED):
+                    store.mark(run_id, events.ROLLOUTS_FINISHED)
+                result["learner_steps"] = steps = learner.result()
+            except BaseException:  # a signal or a failure: the learner stops before its next step, not at its timeout
+                rt.interrupt(run_id)
+                raise
     result["train_wall_clock_s"] = time.perf_counter() - start
-    workers.log_reward_curves(config, run_id)
+    work.log_reward_curves(config, run_id)
     if evaluate_after and steps:
         latest = store.latest_version(run_id)
         result["after"] = store.evaluation(run_id, "after") or evaluate_flow(config, run_id, "after", latest[1])

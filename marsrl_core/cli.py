@@ -25,17 +25,15 @@ from marsrl_core.config import ConfigError, MarsRLConfig, config_to_yaml, load_c
 console = Console()
 
 
+def add_overrides_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """`--set KEY=VALUE` (repeatable) into `args.overrides`: the dotted config overrides of a command."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny", help="Preset to start from: tiny (CPU demo) or paper.")
     parser.add_argument("--config", dest="config_file", default=None, help="YAML file merged over the preset.")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Override one field, e.g. --set rollout.segment_tokens=1024 (repeatable).",
-    )
+    add_overrides_option(parser, "Override one field, e.g. --set rollout.segment_tokens=1024 (repeatable).")
 
 
 def _config(args: argparse.Namespace) -> MarsRLConfig:
@@ -98,7 +96,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import uuid
 
-    from marsrl_core.runtime.jobs import evaluate_policy, print_report
+    from marsrl_core.runtime.evaluate import evaluate_policy
+    from marsrl_core.runtime.report import print_report
     from marsrl_core.store import SegmentStore
 
     cfg = _config(args)

@@ -6,14 +6,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from marsrl_core.config import MarsRLConfig
-from marsrl_core.runtime import workers
+from marsrl_core.runtime import work
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate(config: MarsRLConfig, run_id: str, label: str, checkpoint: str | None = None) -> dict[str, float]:
-    return workers.evaluate(config, run_id, label, checkpoint)
+    return work.evaluate(config, run_id, label, checkpoint)
 
 
 @task(name="compact-store", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def compact(config: MarsRLConfig) -> dict[str, int]:
-    return workers.store_for(config).compact(retention_s=60 * config.store.compaction_retention_minutes)
+    return work.compact(config)

@@ -19,6 +19,12 @@ def _under(tmp_path) -> dict[str, str]:
     }
 
 
+def set_args(tmp_path, **extra) -> list[str]:
+    """`--set` options for a `marsrl` command: store and outputs under `tmp_path`, then `extra` (dotted keys)."""
+    overrides = {key: value for key, value in _under(tmp_path).items() if not key.startswith("tracking.")}
+    return [arg for key, value in {**overrides, **extra}.items() for arg in ("--set", f"{key}={value}")]
+
+
 def small_config(tmp_path, **extra) -> MarsRLConfig:
     """Everything under `tmp_path`; `extra` overrides dotted keys. One group per agent per step (the
     downstream count is pinned too: override both to change the step's size)."""

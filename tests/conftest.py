@@ -50,8 +50,8 @@ def store(store_paths):
 
 @pytest.fixture(autouse=True)
 def close_worker_stores():
-    """After each test, close the stores `workers.store_for` opened (each serves from a child process)."""
+    """After each test, close the stores the process's runtime opened (each serves from a child process)."""
     yield
-    workers = sys.modules.get("marsrl_core.runtime.workers")
-    if workers is not None:
-        workers.close_stores()
+    context = sys.modules.get("marsrl_core.runtime.context")
+    if context is not None:
+        context.runtime().close()

@@ -22,6 +22,7 @@ from marsrl_core.config import load_config
 from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.store import SegmentStore
+from tests.configs import set_args
 from tests.scripted import ScriptedEngine
 
 GOOD = json.dumps({"query": "1+2", "ans_box": "3"})
@@ -114,22 +115,13 @@ CASES = [
 
 @pytest.mark.parametrize("name,setup,status,message,rejected", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_through_the_marsrl_command(tmp_path, capsys, name, setup, status, message, rejected):
-    store_args = [
-        "--set",
-        f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
-        "--set",
-        f"store.data_path={tmp_path}/data",
-        "--set",
-        f"output_dir={tmp_path}/out",
-        "--set",
-        "evaluation.num_problems=2",
-        "--set",
-        "evaluation.k=1",
-        "--set",
-        "evaluation.max_rounds=1",
-        "--set",
-        "model.max_prompt_tokens=256",
-    ]
+    small = {
+        "evaluation.num_problems": 2,
+        "evaluation.k": 1,
+        "evaluation.max_rounds": 1,
+        "model.max_prompt_tokens": 256,
+    }
+    store_args = set_args(tmp_path, **small)
     code = main(["eval", *store_args, *setup(tmp_path)])
     captured = capsys.readouterr()
     assert code == status, captured.err[-2000:]

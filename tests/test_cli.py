@@ -8,25 +8,13 @@ import pytest
 
 from marsrl_core.cli import main
 from marsrl_core.store import SegmentStore
+from tests.configs import set_args
 from tests.test_problems import _aime
 
 
 @pytest.fixture
 def where(tmp_path):
-    return [
-        "--set",
-        f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
-        "--set",
-        f"store.data_path={tmp_path}/data",
-        "--set",
-        f"output_dir={tmp_path}/out",
-        "--set",
-        "evaluation.k=1",
-        "--set",
-        "evaluation.num_problems=3",
-        "--set",
-        "evaluation.max_rounds=2",
-    ]
+    return set_args(tmp_path, **{"evaluation.k": 1, "evaluation.num_problems": 3, "evaluation.max_rounds": 2})
 
 
 def test_eval_on_aime_records_metrics_and_rejects_oversized_prompts(where, tmp_path, capsys):

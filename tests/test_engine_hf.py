@@ -144,19 +144,17 @@ def test_any_seed_samples(engine, seed):
 
 
 def test_weight_update_from_a_checkpoint_with_tied_embeddings(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from marsrl_core.demo.tiny import build_tiny_tokenizer
+    from marsrl_core.demo.tiny import build_tiny_tokenizer, tiny_llama_config
 
     tok = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
+    config = tiny_llama_config(
+        len(tok),
+        64,
+        1,
+        2,
         intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
         max_position_embeddings=64,
         tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id,

@@ -58,7 +58,7 @@ def test_per_agent_checkpoints_evaluate_each_role_with_its_own_model(tmp_path):
     """A per-agent checkpoint folder holds solver/verifier/corrector models; each role uses its own."""
     from marsrl_core.config import load_config
     from marsrl_core.demo.tiny import build_tiny_model
-    from marsrl_core.runtime.jobs import evaluate_policy
+    from marsrl_core.runtime.evaluate import evaluate_policy
     from marsrl_core.store import SegmentStore
 
     ckpt = tmp_path / "v1"
@@ -87,7 +87,7 @@ def test_per_agent_generators_draw_independent_noise(tmp_path):
     same noise on its first call, the Corrector repeated the Solver's mistakes (fix rate 6% measured)."""
     from marsrl_core.config import load_config
     from marsrl_core.demo.tiny import build_tiny_model
-    from marsrl_core.runtime.jobs import evaluation_generators
+    from marsrl_core.runtime.evaluate import evaluation_generators
 
     for agent in ("solver", "verifier", "corrector"):
         build_tiny_model(tmp_path / "v1" / agent, seed=0, max_position_embeddings=128)  # the same weights

@@ -81,16 +81,17 @@ def test_subflows_inside_parent_heartbeat_only_send_no_heartbeat_and_reuse_one_s
 
 
 def test_rollouts_flow_stops_before_the_next_batch_when_asked(tmp_path):
-    from flows.learner import ROLLOUTS_FINISHED
     from flows.rollout import rollouts_flow
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import events
+    from marsrl_core.runtime.context import runtime
+    from marsrl_core.runtime.events import ROLLOUTS_FINISHED
 
     cfg = small_config(tmp_path)
     assert rollouts_flow(cfg, "s1", [0], finish=False)["batches"] == 1
-    store = workers.store_for(cfg)
+    store = runtime().store(cfg)
     decoded = store.count("segments", "s1")
     assert decoded > 0 and not store.has_event("s1", ROLLOUTS_FINISHED)
-    store.mark("s1", workers.STOP_REQUESTED)
+    store.mark("s1", events.STOP_REQUESTED)
     assert rollouts_flow(cfg, "s1", [1, 2], finish=True) == {"batches": 0, "stages": 0}
     assert store.count("segments", "s1") == decoded and store.has_event("s1", ROLLOUTS_FINISHED)
 
@@ -117,17 +118,18 @@ def test_run_batches_leaves_nothing_per_batch_in_the_calling_flow(tmp_path):
 
 def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path, monkeypatch):
     """Batches 0 and 1 meet at a barrier before their first turn decodes (each waits up to 60 s for the
-    other): only a flow that keeps two batches in flight gets both there. The real `workers` calls run
+    other): only a flow that keeps two batches in flight gets both there. The real `work` calls run
     inside the wrappers, which also count the batches running at once (from recording a batch's
     problems to marking it done). Timestamps alone cannot show it: under load one batch's subflow can
     start after the other, tiny one, has ended."""
     import threading
 
     from flows.rollout import rollouts_flow
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import events, work
+    from marsrl_core.runtime.context import runtime
 
     cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 2})
-    record, decode, mark_done = workers.record_batch, workers.rollout_turn, workers.mark_batch_done
+    record, decode, mark_done = work.record_batch, work.rollout_turn, work.mark_batch_done
     barrier = threading.Barrier(2)
     lock, running, most, met = threading.Lock(), set(), [0], []
 
@@ -151,13 +153,13 @@ def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path, monkeypatch):
         with lock:
             running.discard(batch)
 
-    monkeypatch.setattr(workers, "record_batch", recording)
-    monkeypatch.setattr(workers, "rollout_turn", decoding)
-    monkeypatch.setattr(workers, "mark_batch_done", marking)
+    monkeypatch.setattr(work, "record_batch", recording)
+    monkeypatch.setattr(work, "rollout_turn", decoding)
+    monkeypatch.setattr(work, "mark_batch_done", marking)
     assert rollouts_flow(cfg, "p1", [0, 1, 2], finish=True)["batches"] == 3
     assert met == [True, True]  # batches 0 and 1 were decoding at the same time
     assert most[0] == 2  # and never three at once: batch 2 waited for batch 0 to end
-    assert all(workers.store_for(cfg).has_event("p1", workers.batch_done_event(b)) for b in range(3))
+    assert all(runtime().store(cfg).has_event("p1", events.batch_done(b)) for b in range(3))
 
 
 def test_rollouts_flow_sets_up_the_next_batch_while_one_decodes(tmp_path, monkeypatch):
@@ -171,10 +173,10 @@ def test_rollouts_flow_sets_up_the_next_batch_while_one_decodes(tmp_path, monkey
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
     from flows.rollout import rollouts_flow
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import work
 
     cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 1})
-    record, decode, mark_done = workers.record_batch, workers.rollout_turn, workers.mark_batch_done
+    record, decode, mark_done = work.record_batch, work.rollout_turn, work.mark_batch_done
     recorded, marked, saw_next_running = {}, {}, {}
 
     def next_batch_running(batch: int) -> bool:
@@ -204,9 +206,9 @@ def test_rollouts_flow_sets_up_the_next_batch_while_one_decodes(tmp_path, monkey
         mark_done(c, run_id, batch)
         marked[batch] = time.monotonic()
 
-    monkeypatch.setattr(workers, "record_batch", recording)
-    monkeypatch.setattr(workers, "rollout_turn", decoding)
-    monkeypatch.setattr(workers, "mark_batch_done", marking)
+    monkeypatch.setattr(work, "record_batch", recording)
+    monkeypatch.setattr(work, "rollout_turn", decoding)
+    monkeypatch.setattr(work, "mark_batch_done", marking)
     assert rollouts_flow(cfg, "ahead", [0, 1, 2])["batches"] == 3
     assert saw_next_running == {0: True, 1: True}
     assert marked[0] < recorded[1] and marked[1] < recorded[2]
@@ -216,29 +218,30 @@ def test_rollouts_flow_decodes_no_prepared_batch_once_asked_to_stop(tmp_path, mo
     """The stop request arrives while batch 0 decodes and batch 1 waits, set up, for its slot: batch 1
     must not decode, and only batch 0 counts."""
     from flows.rollout import rollouts_flow
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import events, work
+    from marsrl_core.runtime.context import runtime
 
     cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 1})
-    store = workers.store_for(cfg)
-    mark_done = workers.mark_batch_done
+    store = runtime().store(cfg)
+    mark_done = work.mark_batch_done
 
     def stop_after_batch_0(c, run_id, batch):
         if batch == 0:
-            store.mark(run_id, workers.STOP_REQUESTED)
+            store.mark(run_id, events.STOP_REQUESTED)
         mark_done(c, run_id, batch)
 
-    monkeypatch.setattr(workers, "mark_batch_done", stop_after_batch_0)
+    monkeypatch.setattr(work, "mark_batch_done", stop_after_batch_0)
     assert rollouts_flow(cfg, "halt", [0, 1, 2])["batches"] == 1
     per_batch = store.query("SELECT count(*) AS n FROM problems WHERE run_id = 'halt'").to_pylist()
     assert per_batch == [{"n": cfg.rollout.problems_per_batch}]  # batch 0's problems only
-    assert not store.has_event("halt", workers.batch_done_event(1))
+    assert not store.has_event("halt", events.batch_done(1))
 
 
 def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     import mlflow
 
     from flows.train import train_flow
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import events
     from marsrl_core.store import SegmentStore
 
     cfg = small_config(tmp_path)
@@ -250,7 +253,7 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     # steps (a batch prepared ahead decodes nothing after that). Every batch started is finished.
     problems = store.count("problems", "t1")
     assert problems in (2, 4)
-    assert all(store.has_event("t1", workers.batch_done_event(b)) for b in range(problems // 2))
+    assert all(store.has_event("t1", events.batch_done(b)) for b in range(problems // 2))
     labels = store.query("SELECT label FROM evaluations WHERE run_id = 't1'").column("label").to_pylist()
     assert sorted(labels) == ["after", "before"]
     client = mlflow.MlflowClient(tracking_uri=cfg.tracking.mlflow_tracking_uri)
@@ -261,9 +264,9 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
 def test_a_failed_learner_leaves_the_rollouts_unfinished_for_a_resume(tmp_path, monkeypatch):
     """A learner that fails stops the train flow's batches early; the run must not be marked as having
     finished its rollouts, or a resumed run's learner would stop before the rest were decoded."""
-    from flows.learner import ROLLOUTS_FINISHED
     from flows.train import train_flow
     from marsrl_core.learn.learner import Learner
+    from marsrl_core.runtime.events import ROLLOUTS_FINISHED
     from marsrl_core.store import SegmentStore
 
     def broken(self, groups):
@@ -355,14 +358,16 @@ def test_sft_flow_warm_starts_and_reuses_the_cache(tmp_path):
 
 
 def test_training_dataset_batches_skip_and_record_bad_rows(tmp_path):
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import work
     from marsrl_core.store import SegmentStore
 
     data = tmp_path / "train.jsonl"
     data.write_text('{"query": "1+2", "ans_box": "3"}\n{"query": "2+2"}\n{"query": "3+3", "ans_box": "6"}\n')
     cfg = small_config(tmp_path, **{"data.train_dataset": str(data)})
-    assert workers.record_batch(cfg, "ds", 0) == 2 and workers.record_batch(cfg, "ds", 1) == 2
-    prompts = [p.prompt for p in workers.batch_problems(cfg, 1)]
+    assert work.record_batch(cfg, "ds", 0) == 2 and work.record_batch(cfg, "ds", 1) == 2
+    from marsrl_core.rollout.batches import batch_problems
+
+    prompts = [p.prompt for p in batch_problems(cfg, 1)]
     assert prompts == ["1+2", "3+3"]  # batches cycle through the good rows only
     store = SegmentStore.from_config(cfg.store)
     rows = store.query("SELECT location, reason FROM rejected_inputs WHERE run_id = 'ds'").to_pylist()

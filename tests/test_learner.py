@@ -83,7 +83,7 @@ def test_first_step_is_on_policy_and_metrics_are_recorded(folder, tmp_path):
 
 
 def test_groups_older_than_max_staleness_are_dropped_untrained_while_fresh_ones_arrive(folder, tmp_path):
-    from marsrl_core.learn.pipeline import ready_groups
+    from marsrl_core.learn.groups import ready_groups
 
     cfg = _cfg(tmp_path, max_staleness=1, groups_per_step=1, downstream_groups_per_step=1)
     store = SegmentStore.from_config(cfg.store)
@@ -111,7 +111,7 @@ def test_groups_older_than_max_staleness_are_dropped_untrained_while_fresh_ones_
 
 
 def test_downstream_agents_can_take_more_groups_per_step_than_the_solver(folder, tmp_path):
-    from marsrl_core.learn.pipeline import ready_groups
+    from marsrl_core.learn.groups import ready_groups
 
     cfg = _cfg(tmp_path, groups_per_step=1, downstream_groups_per_step=3)
     store = SegmentStore.from_config(cfg.store)
@@ -263,30 +263,32 @@ def test_a_long_run_keeps_the_newest_checkpoints_and_logs_every_nth(folder, tmp_
 
 
 def test_a_step_that_fails_to_publish_is_not_trained_twice(folder, tmp_path, monkeypatch):
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import work
+    from marsrl_core.runtime.context import runtime
 
     cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=0)
     cfg = cfg.model_copy(
         update={"output_dir": str(tmp_path / "out"), "model": cfg.model.model_copy(update={"path": str(folder)})}
     )
-    store = workers.store_for(cfg)
+    store = runtime().store(cfg)
     engine = HFEngine.from_pretrained(folder)
     sample_groups(engine, store, "pub", "solver", "S|2+2|", groups=4, size=4, reward_fn=digit_fraction)
-    learner = workers.learner_for(cfg, "pub")
+    learner = runtime().learner(cfg, "pub")
     blocker = learner.checkpoint_root / "v1"
     blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("a file where the checkpoint folder must go: publishing fails")
     with pytest.raises(OSError):
-        workers.train_step(cfg, "pub")
+        work.train_step(cfg, "pub")
     assert store.latest_version("pub") is None and store.count("consumptions", "pub") == 0
     blocker.unlink()
-    result = workers.train_step(cfg, "pub")  # the retry: rebuilt from the store, trains once
+    result = work.train_step(cfg, "pub")  # the retry: rebuilt from the store, trains once
     assert result["step"] == 1 and store.latest_version("pub")[0] == 1
-    assert workers.learner_for(cfg, "pub").step == 1
+    assert runtime().learner(cfg, "pub").step == 1
 
 
 def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, monkeypatch):
-    from marsrl_core.runtime import workers
+    from marsrl_core.runtime import work
+    from marsrl_core.runtime.context import runtime
 
     cfg = _cfg(tmp_path, groups_per_step=1, downstream_groups_per_step=1)
     cfg = cfg.model_copy(
@@ -296,17 +298,18 @@ def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, mo
             "tracking": cfg.tracking.model_copy(update={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}),
         }
     )
-    store = workers.store_for(cfg)
+    store = runtime().store(cfg)
     engine = HFEngine.from_pretrained(folder)
     groups = sample_groups(engine, store, "poll", "solver", "S|3+4|", groups=2, size=4, reward_fn=digit_fraction)
-    workers.learner_for(cfg, "poll")
+    runtime().learner(cfg, "poll")
     reads = []
     original = store.trainable_groups_by_agent
     monkeypatch.setattr(store, "trainable_groups_by_agent", lambda *a, **k: reads.append(1) or original(*a, **k))
-    assert workers.groups_ready(cfg, "poll") and len(reads) == 1
-    first = workers.train_step(cfg, "poll")
+    found = work.ready_groups(cfg, "poll")
+    assert found and len(reads) == 1
+    first = work.train_step(cfg, "poll", found)
     assert len(reads) == 1 and first["step"] == 1  # the step used what the poll found
-    second = workers.train_step(cfg, "poll")  # no poll before it: it queries for itself
+    second = work.train_step(cfg, "poll")  # no poll before it: it queries for itself
     assert len(reads) == 2 and second["step"] == 2
     consumed = store.query(
         "SELECT DISTINCT learner_step, sample_id FROM consumptions WHERE run_id = 'poll'"

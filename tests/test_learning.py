@@ -12,22 +12,19 @@ measure before training is the noise of evaluating one fixed policy; if training
 gain would be the difference of two such evaluations, with standard deviation `sqrt(2) * sd_before`.
 The test runs two seeds (0 and 1) and asserts on the mean of their gains, whose noise under that
 null is `sd_before`; the margin is two of those, `2 * sd_before`, rounded up. Measured (5 seeds, on
-the warm start whose Corrector demonstrations include misreported flags, session 9): Solver 0.646 +-
-0.009 before, 0.913 +- 0.011 after, gain 0.267 +- 0.013 (smallest 0.245); Verifier balanced accuracy
-0.712 +- 0.013 before, 0.880 +- 0.031 after, gain 0.168 +- 0.032 (smallest 0.130). (The previous warm
-start, sessions 5-8: sd before 0.007 and 0.018, margins 0.02 and 0.04; gains 0.279 +- 0.030 and 0.129
-+- 0.044.)
+the committed warm start): Solver 0.646 +- 0.009 before, 0.913 +- 0.011 after, gain 0.267 +- 0.013
+(smallest 0.245); Verifier balanced accuracy 0.712 +- 0.013 before, 0.880 +- 0.031 after, gain
+0.168 +- 0.032 (smallest 0.130).
 
 Why two seeds: one seed-0 run was not reliable enough. Its Verifier gain varies from run to run
 (the pipelined learner trains on whatever groups are ready when it looks): nine runs in scripts gave
 0.82-0.91 after training, but two of four runs under pytest in CI gave 0.769 and 0.753, gains
 within the noise. The mean of two runs halves the variance of the run-to-run part: from the five
-seeds, a mean of two Verifier gains is 6.1 of its standard deviations above the 0.03 margin (2.9 above
-0.04 on the previous warm start).
+seeds, a mean of two Verifier gains is 6.1 of its standard deviations above the 0.03 margin.
 
-History: without the staleness bound the learner drained a backlog of Verifier and Corrector groups
-oldest first and trained on samples 13-19 versions old; the Verifier's gain fell to 0.044 +- 0.041
-and this test failed in CI.
+The learner's staleness bound matters here: a learner that drains a backlog of Verifier and Corrector
+groups oldest first trains on samples 13-19 versions old, and the Verifier's gain then falls to
+0.044 +- 0.041, within this test's margin.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from marsrl_core.config import default_config
-from marsrl_core.runtime import workers
+from marsrl_core.runtime import work
+from marsrl_core.runtime.context import runtime
 from marsrl_core.runtime.memory import MemoryTrimmer
 
 FRAGMENT_AND_TRIM = """
@@ -63,8 +64,8 @@ def test_a_worker_process_starts_one_trimmer_with_its_store(tmp_path):
     cfg = default_config()
     cfg.store.catalog_url, cfg.store.data_path = f"sqlite:{tmp_path}/lake.sqlite", str(tmp_path / "data")
     cfg.store.separate_process = False
-    workers.store_for(cfg)
-    workers.store_for(cfg)
+    runtime().store(cfg)
+    runtime().store(cfg)
     trimmers = [t for t in threading.enumerate() if t.name == "marsrl-memory-trimmer"]
     assert len(trimmers) == 1 and trimmers[0].is_alive()
 
@@ -78,12 +79,12 @@ def test_a_rollout_turns_scheduler_is_freed_when_the_turn_ends(tmp_path):
     from tests.configs import small_config
 
     cfg = small_config(tmp_path)
-    workers.record_batch(cfg, "freed", 0)
-    workers.rollout_turn(cfg, "freed", 0, 0)  # warm-up: engine, tokenizer, store
+    work.record_batch(cfg, "freed", 0)
+    work.rollout_turn(cfg, "freed", 0, 0)  # warm-up: engine, tokenizer, store
     gc.collect()
     gc.disable()
     try:
-        workers.rollout_turn(cfg, "freed", 0, 1)
+        work.rollout_turn(cfg, "freed", 0, 1)
         alive = {kind.__name__: sum(type(o) is kind for o in gc.get_objects()) for kind in (RolloutScheduler, Sample)}
     finally:
         gc.enable()

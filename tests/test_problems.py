@@ -57,7 +57,7 @@ def test_rejections_are_recorded_in_the_store(tmp_path, store):
     path = tmp_path / "d.jsonl"
     path.write_text('{"query": "1+1", "ans_box": "2"}\n{"query": "1+2"}\n')
     loaded = load_problems(path)
-    store.reject_many("r", [(r.source, r.location, r.reason, r.payload) for r in loaded.rejected])
+    store.reject("r", loaded.rejected)
     rows = store.query("SELECT location, reason FROM rejected_inputs").to_pylist()
     assert rows == [{"location": "line 2", "reason": "missing field(s) 'ans_box'"}]
 

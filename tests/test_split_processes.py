@@ -16,18 +16,8 @@ from tests.configs import process_config_file
 def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
     # 12 batches: enough decoding after the learner's first step (each process also starts its store's
     # child process) that the rollout picks a newer version up; with 6, one CI run ended before it.
-    path = process_config_file(
-        tmp_path,
-        "split",
-        data={"num_batches": 12},
-        learner={
-            "groups_per_step": 2,
-            "downstream_groups_per_step": 2,
-            "max_steps": 3,
-            "learning_rate": 1e-3,
-            "warmup_steps": 0,
-        },
-    )
+    learner = {"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3}
+    path = process_config_file(tmp_path, "split", data={"num_batches": 12}, learner=learner | {"warmup_steps": 0})
 
     # Each process runs Prefect in ephemeral mode with its own database (two processes writing one
     # ephemeral SQLite database lock each other out; a shared deployment uses a Prefect server instead).

@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from marsrl_core.runtime import workers
+from marsrl_core.runtime.context import runtime
 from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore, StoreError
 from marsrl_core.store.process import StoreProcess
 from tests.configs import small_config
@@ -169,11 +169,11 @@ def test_a_child_whose_parent_is_killed_exits(store_paths, tmp_path):
 
 
 def test_training_processes_serve_the_store_from_a_child_unless_configured_not_to(tmp_path):
-    workers.close_stores()
-    served = workers.store_for(small_config(tmp_path / "a"))
-    local = workers.store_for(small_config(tmp_path / "b", **{"store.separate_process": False}))
+    runtime().close()
+    served = runtime().store(small_config(tmp_path / "a"))
+    local = runtime().store(small_config(tmp_path / "b", **{"store.separate_process": False}))
     assert isinstance(served, StoreProcess) and isinstance(local, SegmentStore)
     child = served.pid
-    workers.close_stores()
+    runtime().close()
     time.sleep(0.1)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

@@ -22,6 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from marsrl_core.store.rows import Rejection
+
 
 class DatasetError(ValueError):
     """A dataset cannot be used at all; the message names the file and the problem."""
@@ -33,14 +35,6 @@ class Problem:
     prompt: str
     answer: str
     source: str = ""
-
-
-@dataclass(frozen=True)
-class Rejection:
-    source: str  # the file
-    location: str  # "line 7" / "row 7"
-    reason: str
-    payload: str = ""
 
 
 @dataclass

@@ -34,7 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "evaluation": {"max_rounds": 4, "accept_after": 2, "num_problems": 512, "k": 2},
         # More batches than 50 steps need: the train flow stops starting batches once the learner has
         # its steps (about 10 in `make train`), and variants that yield fewer groups a batch (shared
-        # reward, synchronous: 42 steps from 15 batches in session 9's ablations) still reach them.
+        # reward, synchronous: 42 steps from 15 batches) still reach them.
         "data": {"num_batches": 20},
         "rollout": {
             "num_generations": 8,
@@ -46,10 +46,9 @@ PRESETS: dict[str, dict[str, Any]] = {
             "corrector_max_tokens": 96,
             "temperature": 1.0,
             "problems_per_batch": 8,
-            # Half the downstream picks at random (default 0.25): the Verifier then sees more right
-            # solutions (fewer false flags) and the Corrector more false flags, where most of its breaks
-            # happen. Four seeds each (benchmarks/learning_spread.py --set rollout.explore=...): break
-            # rate 9.4 ± 3.8% -> 5.2 ± 1.2%, Verifier 85.6 ± 1.0% -> 89.6 ± 1.6%, V-C 92.0 -> 95.8%.
+            # Half the downstream picks at random (the default is 0.25): the Verifier then sees more
+            # right solutions (fewer false flags) and the Corrector more false flags, where most of its
+            # breaks happen (docs/results.md; benchmarks/learning_spread.py --set rollout.explore=...).
             "explore": 0.5,
         },
         # The Verifier and Corrector take 8 groups a step (the Solver 4): a batch of 8 problems gives

@@ -197,7 +197,7 @@ class SFTConfig(_Section):
     learning_rate: float = Field(
         1e-3,
         gt=0,
-        description="SFT AdamW learning rate (constant after a 5% warm-up; 3e-3 stalled the Solver at ~10%).",
+        description="SFT AdamW learning rate (constant after a 5% linear warm-up).",
     )
     num_problems: int = Field(4000, ge=1, description="Synthetic problems the demonstrations are made from (3 each).")
     solver_error: float = Field(0.15, ge=0, le=1, description="Solver demonstrations: chance that each step is wrong.")
@@ -221,7 +221,7 @@ class SFTConfig(_Section):
         le=1,
         description="Corrector demonstrations: chance that the report's flagged step carries a wrong "
         "recomputed total (on a right solution, a false flag); the target is unchanged, so the Corrector learns to "
-        "recompute a flagged step rather than copy the report's total, which broke right solutions after false flags.",
+        "recompute a flagged step rather than copy the report's total.",
     )
 
 

@@ -119,8 +119,7 @@ def warm_start(cfg: MarsRLConfig, progress: Callable[[int, float], None] | None 
     """The warm-started policy folder for `cfg` (trained once with `cfg.sft`, then reused from the cache)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from marsrl_core.runtime.jobs import roles_from_config
-    from marsrl_core.runtime.policy import policy_folder
+    from marsrl_core.runtime.policy import policy_folder, roles_from_config
 
     cached = find_warm_start(cfg)
     if cached is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -40,6 +41,24 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
+def tiny_llama_config(
+    vocab_size: int, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4, **extra: Any
+) -> LlamaConfig:
+    """A small Llama config: MLP 4x wide, as many key/value heads as heads; `extra` sets any other field."""
+    shape = {
+        "intermediate_size": hidden_size * 4,
+        "num_key_value_heads": num_heads,
+        "head_dim": hidden_size // num_heads,
+    }
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        **(shape | extra),
+    )
+
+
 def build_tiny_model(
     folder: str | Path,
     hidden_size: int = 128,
@@ -56,14 +75,11 @@ def build_tiny_model(
         )
     folder = Path(folder)
     tokenizer = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 4,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        head_dim=hidden_size // num_heads,
+    config = tiny_llama_config(
+        len(tokenizer),
+        hidden_size,
+        num_layers,
+        num_heads,
         max_position_embeddings=max_position_embeddings,
         rope_theta=10000.0,
         bos_token_id=tokenizer.bos_token_id,

@@ -1,7 +1,9 @@
 """Checkpoints: policy weights in Hugging Face format plus the full trainer state, all safetensors.
 
+A run's checkpoints live under `checkpoint_root(output_dir, run_id)` (`<output_dir>/checkpoints/<run>`).
 A checkpoint of version v is the folder `<root>/v<v>` holding one `save_pretrained` folder per policy
-(`policy` when shared, else `solver`/`verifier`/`corrector`) and the trainer state: optimizer
+(`policy` when shared, else `solver`/`verifier`/`corrector`; `agent_folders` maps each agent to its
+model folder) and the trainer state: optimizer
 tensors and the torch RNG in `trainer_state.safetensors`, the rest (optimizer hyper-parameters,
 scheduler state, Python RNG, step) in `trainer_state.json`. Nothing is ever unpickled.
 
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from marsrl_core.config import AGENTS
 from marsrl_core.runtime.faults import crash_point
 
 STATE_TENSORS, STATE_JSON = "trainer_state.safetensors", "trainer_state.json"
@@ -36,8 +39,31 @@ class CheckpointError(RuntimeError):
     """A checkpoint folder is missing or incomplete; the message names the folder."""
 
 
+SHARED_POLICY = "policy"  # the model folder of a shared policy inside a checkpoint
+
+
+def checkpoint_root(output_dir: str | Path, run_id: str) -> Path:
+    """Where a run's checkpoint versions are written."""
+    return Path(output_dir) / "checkpoints" / run_id
+
+
 def version_folder(root: Path, version: int) -> Path:
     return Path(root) / f"v{version}"
+
+
+def policy_names(per_agent: bool) -> list[str]:
+    """The policies a checkpoint holds: one shared, or one per agent."""
+    return list(AGENTS) if per_agent else [SHARED_POLICY]
+
+
+def agent_folders(folder: Path) -> dict[str, Path]:
+    """The model folder each agent loads from `folder`: a Hugging Face model folder (the same for every
+    agent), or a checkpoint version (its shared `policy` folder, or one folder per agent)."""
+    folder = Path(folder)
+    if (folder / "config.json").is_file():
+        return {agent: folder for agent in AGENTS}
+    shared = (folder / SHARED_POLICY).is_dir()
+    return {agent: folder / (SHARED_POLICY if shared else agent) for agent in AGENTS}
 
 
 def save_checkpoint(

@@ -11,7 +11,7 @@ One `train_step(groups)`:
 5. publishes version `step`: the checkpoint is written (temporary folder, then renamed), then the
    consumptions, the version row and the metrics commit in one store transaction.
 
-Groups flagged `stale` (older than `learner.max_staleness` policy versions, see `pipeline.ready_groups`)
+Groups flagged `stale` (older than `learner.max_staleness` policy versions, see `groups.ready_groups`)
 are not trained on: the step records them as dropped, so they are never offered again.
 
 Policies: `shared` (one model for all roles, the paper) or `per_agent` (a model, AdamW and warm-up
@@ -35,11 +35,13 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from marsrl_core.config import AGENTS, MarsRLConfig
+from marsrl_core.config import MarsRLConfig
 from marsrl_core.learn.algorithms import chunked_logprobs, group_advantages, policy_loss
 from marsrl_core.learn.checkpoint import (
+    SHARED_POLICY,
     clean_uncommitted,
     load_checkpoint,
+    policy_names,
     prune_checkpoints,
     save_checkpoint,
     version_folder,
@@ -87,7 +89,7 @@ class Learner:
         self.cfg, self.store, self.run_id, self.tracker = cfg, store, run_id, tracker
         self.checkpoint_root = Path(checkpoint_root)
         self.tokenizer = tokenizer
-        names = ["policy"] if cfg.learner.policies == "shared" else list(AGENTS)
+        names = policy_names(per_agent=cfg.learner.policies == "per_agent")
         self.models = {name: _load_model(start_folder, cfg) for name in names}
         lc = cfg.learner
         self.optimizers = {
@@ -100,12 +102,20 @@ class Learner:
             for name, opt in self.optimizers.items()
         }
         self.reference = _load_model(start_folder, cfg).eval() if lc.beta > 0 else None
+        # The loss's settings (`learner.*`), passed to `algorithms.policy_loss` on every micro-batch.
+        self.loss_options = {
+            "epsilon": lc.epsilon,
+            "epsilon_high": lc.epsilon_high,
+            "loss_type": lc.loss_type,
+            "beta": lc.beta,
+            "tis_cap": lc.tis_cap,
+        }
         self.temperature = cfg.rollout.temperature or 1.0
         self.step = 0
         self.logged_version = 0  # newest version logged to MLflow
 
     def policy_name(self, agent: str) -> str:
-        return "policy" if "policy" in self.models else agent
+        return SHARED_POLICY if SHARED_POLICY in self.models else agent
 
     def model_for(self, agent: str):
         return self.models[self.policy_name(agent)]
@@ -218,19 +228,10 @@ class Learner:
             )
             token_mask = pad_sequence([torch.ones(n) for n in lengths], batch_first=True)
             ref = self._reference_logprobs(batch) if self.reference is not None else None
+            advantages = torch.tensor([i.advantage for i in batch])
+            normalizers = {"token_normalizer": float(total_tokens), "sequence_normalizer": float(len(items))}
             out = policy_loss(
-                logprobs,
-                behaviour,
-                torch.tensor([i.advantage for i in batch]),
-                token_mask,
-                epsilon=lc.epsilon,
-                epsilon_high=lc.epsilon_high,
-                loss_type=lc.loss_type,
-                beta=lc.beta,
-                ref_logprobs=ref,
-                tis_cap=lc.tis_cap,
-                token_normalizer=float(total_tokens),
-                sequence_normalizer=float(len(items)),
+                logprobs, behaviour, advantages, token_mask, ref_logprobs=ref, **normalizers, **self.loss_options
             )
             if torch.isfinite(out.loss):
                 out.loss.backward()

@@ -35,7 +35,6 @@ rejected and recorded, and that branch ends.
 from __future__ import annotations
 
 import random
-import threading
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -47,6 +46,8 @@ from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER, WRONG, Roles, 
 from marsrl_core.agents.selection import select_inputs
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.engines.base import SamplingParams, SegmentRequest
+from marsrl_core.rollout.offers import PolicyOffers
+from marsrl_core.rollout.resume import restore
 from marsrl_core.rollout.samples import (
     ProblemState,
     RolloutInterrupted,
@@ -56,7 +57,7 @@ from marsrl_core.rollout.samples import (
     shared_outcome,
 )
 from marsrl_core.runtime.faults import crash_point
-from marsrl_core.store import RewardRow, SampleRow, SegmentRow, Store
+from marsrl_core.store import Rejection, RewardRow, SampleRow, SegmentRow, Store
 
 
 class RolloutScheduler:
@@ -91,8 +92,7 @@ class RolloutScheduler:
         self.seed = seed
         self.states: dict[str, ProblemState] = {}
         self.admitted = 0
-        self.pending: tuple[int, Any] | None = None
-        self._pending_lock = threading.Lock()
+        self.offers = PolicyOffers(self.engines)
         self.exhausted = False
         self.context = getattr(self.engine, "max_positions", None) or getattr(self.engine, "max_model_len", None)
         self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0}
@@ -106,43 +106,24 @@ class RolloutScheduler:
     def version(self) -> int:
         return self.engine.policy_version
 
+    @property
+    def pending(self) -> tuple[int, Any] | None:
+        """The newest policy offered and not yet applied: (version, weights), or None."""
+        return self.offers.pending
+
     def offer_weights(self, version: int, weights: Any) -> None:
         """A newer policy (weights, or a dict agent -> weights); applied at the next stage boundary the
         staleness bound allows. Safe to call from another thread (the learner's)."""
-        with self._pending_lock:
-            if self.pending is None or version > self.pending[0]:
-                self.pending = (version, weights)
+        self.offers.offer(version, weights)
 
     def _apply_pending(self) -> bool:
-        with self._pending_lock:
-            offered = self.pending
-        if offered is None:
-            return True
-        version, weights = offered
-        if version <= self.version:  # an engine shared with another scheduler already has it
-            self._clear_pending(offered)
-            return True
-        oldest = min((s.start_version for s in self.in_flight() if s.start_version is not None), default=version)
-        # After a restart the engine may hold weights older than the restored samples themselves; then
-        # any newer policy is closer to them than what it has, so it is applied at once.
-        if version - oldest > self.rc.max_staleness and self.version >= oldest:
+        """Apply an offered policy unless an in-flight sample would then span more than `max_staleness`
+        versions; False when it was deferred."""
+        oldest = min((s.start_version for s in self.in_flight() if s.start_version is not None), default=None)
+        applied = self.offers.apply(self.version, oldest, self.rc.max_staleness)
+        if not applied:
             self.stats["deferred_updates"] += 1
-            return False
-        done: set[int] = set()
-        for agent, engine in self.engines.items():
-            if id(engine) not in done:
-                engine.update_weights(
-                    version, weights[agent] if isinstance(weights, dict) and agent in weights else weights
-                )
-                done.add(id(engine))
-        self._clear_pending(offered)
-        return True
-
-    def _clear_pending(self, applied: tuple[int, Any]) -> None:
-        """Forget the applied offer, unless a newer one arrived meanwhile."""
-        with self._pending_lock:
-            if self.pending is applied:
-                self.pending = None
+        return applied
 
     # ------------------------------------------------------------------ state
     def release(self) -> None:
@@ -181,7 +162,7 @@ class RolloutScheduler:
         size: int,
         prompt_text: str,
         parent: Sample | None,
-        rejected: list[tuple[str, str, str, str]],
+        rejected: list[Rejection],
     ) -> list[Sample]:
         agent = agent_of_turn(turn)
         prompt_ids = self._encode(prompt_text)
@@ -189,7 +170,7 @@ class RolloutScheduler:
         if self.context is not None and len(prompt_ids) + budget > self.context:
             self.stats["rejected_prompts"] += 1
             rejected.append(
-                (
+                Rejection(
                     f"rollout:{problem.problem_id}",
                     f"turn {turn}",
                     f"{agent} prompt of {len(prompt_ids)} tokens + budget {budget} exceeds the engine "
@@ -239,7 +220,7 @@ class RolloutScheduler:
     def stage(self) -> StageReport:
         report = StageReport()
         self.stats["stages"] += 1
-        rejected: list[tuple[str, str, str, str]] = []
+        rejected: list[Rejection] = []
         created: list[Sample] = []
         if self.newer_policy is not None and (newer := self.newer_policy(self.version)) is not None:
             self.offer_weights(*newer)
@@ -280,7 +261,7 @@ class RolloutScheduler:
                 sample.segments += 1
                 report.tokens += len(result.token_ids)
                 if sample.finish:
-                    self._judge(sample)
+                    self.judge_finished(sample)
                     report.finished += 1
                     if self.rc.reward_mode == "decoupled":
                         rewards.append(self._reward_row(sample, sample.judgement.reward))
@@ -291,7 +272,7 @@ class RolloutScheduler:
         crash_point("rollout.append")
         self.store.append(self.run_id, [self._sample_row(s) for s in created], segments, rewards)
         if rejected:
-            self.store.reject_many(self.run_id, rejected)
+            self.store.reject(self.run_id, rejected)
         return report
 
     def _decode(self, active: list[Sample], requests: list[SegmentRequest]) -> list[Any]:
@@ -309,7 +290,8 @@ class RolloutScheduler:
     def _sample_seed(self, sample: Sample) -> int:
         return zlib.crc32(f"{self.seed}:{sample.sample_id}".encode())
 
-    def _judge(self, sample: Sample) -> None:
+    def judge_finished(self, sample: Sample) -> None:
+        """Decode a finished sample's text and judge it (its reward and what was parsed)."""
         sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         judged = sample.parent.solution.judgement.correct if sample.agent == VERIFIER else None
         sample.judgement = judge(
@@ -403,53 +385,6 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ resume
     def resume(self, problems_by_id: dict[str, Problem]) -> int:
-        """Rebuild the state of the problems in `problems_by_id` from the store; returns how many
-        samples were restored."""
-        rows = self.store.samples_of_problems(self.run_id, list(problems_by_id))
-        if not rows:
-            return 0
-        stored = self.store.load_samples(self.run_id, [r["sample_id"] for r in rows])
-        by_id: dict[str, Sample] = {}
-        for r in rows:
-            problem = problems_by_id[r["problem_id"]]
-            st = stored[r["sample_id"]]
-            sample = Sample(
-                r["sample_id"],
-                problem,
-                r["agent"],
-                r["turn"],
-                r["group_id"],
-                st.prompt_tokens.tolist(),
-                self.rc.max_tokens(r["agent"]),
-                by_id.get(r["parent_sample_id"]),
-            )
-            if sample.parent is not None:
-                sample.parent.children.append(sample)
-            sample.token_ids = st.token_ids.tolist()
-            sample.versions = st.versions.tolist()
-            sample.segments = st.num_segments
-            if st.finish_reason in ("stop", "budget"):
-                sample.finish = st.finish_reason
-                self._judge(sample)
-            by_id[sample.sample_id] = sample
-            state = self.states.setdefault(problem.problem_id, ProblemState(problem))
-            state.turns.setdefault(sample.turn, []).append(sample)
-        self.admitted = len(self.states)
-        rewarded = {r["sample_id"] for r in rows if r["rewarded"]}
-        for state in self.states.values():
-            samples = [s for t in state.turns.values() for s in t]
-            if all(s.finish for s in samples) and self._is_closed(state, rewarded):
-                state.done = True
-        return len(by_id)
-
-    def _is_closed(self, state: ProblemState, rewarded: set[str]) -> bool:
-        """A fully finished problem is done unless it still owes a downstream turn (or shared rewards)."""
-        samples = [s for t in state.turns.values() for s in t]
-        if self.rc.reward_mode == "shared":
-            return all(s.sample_id in rewarded for s in samples)
-        last = max(state.turns)
-        if last + 1 >= self.rc.max_turns:
-            return True
-        if agent_of_turn(last + 1) == CORRECTOR:
-            return not any(v.judgement.parsed == WRONG for v in state.turns[last])
-        return False
+        """Rebuild the state of the problems in `problems_by_id` from the store (`resume.restore`);
+        returns how many samples were restored."""
+        return restore(self, problems_by_id)

@@ -1,7 +1,13 @@
 """A discrete-event model of the MarsRL scheduler at paper scale, to plan a cluster.
 
-It replays the same rules as `rollout.py` / `pipeline.py` with made-up lengths and stated
-throughputs instead of a model:
+It replays the rules of the pipelined train flow (`flows/train.py`, what `make train` runs) with
+made-up lengths and stated throughputs instead of a model. Shared with that loop: batches admitted
+while fewer than `batches_in_flight` are decoding (`flows/slots.py`), a downstream turn started when
+the previous turn of its problem has finished, decoding in segments, a new policy version applied at
+a stage boundary only within `max_staleness` (`RolloutScheduler`), and a learner that trains as soon
+as an update's worth of finished groups is ready (the learner flow's poll). Not shared: the flow's
+learner polls the store every 0.2 s and shares the machine with decoding, and the flow's
+synchronous baseline decodes a batch in segments too. The model:
 - problems arrive in batches of 128; each has a Solver group of 8 and, per downstream turn
   (Verifier, Corrector, Verifier, Corrector), 2 selected inputs x 8 samples; a turn starts when the
   previous turn of its problem has finished;

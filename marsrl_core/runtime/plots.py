@@ -13,10 +13,10 @@ import matplotlib
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402
 
-from marsrl_core.store import SegmentStore  # noqa: E402
+from marsrl_core.store import Store  # noqa: E402
 
 
-def reward_curves(store: SegmentStore, run_id: str):
+def reward_curves(store: Store, run_id: str):
     """A figure with each agent's mean training reward per learner step."""
     rows = store.query(
         "SELECT step, agent, metrics_json FROM train_steps WHERE run_id = ? ORDER BY step", [run_id]

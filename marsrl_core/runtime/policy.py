@@ -2,7 +2,8 @@
 
 `policy_folder(cfg)` is the Hugging Face folder the run starts from: `model.path` when set, else a
 tiny model built from the `model.tiny_*` fields into `<output_dir>/tiny-model-<hash of those
-fields>` (built once, then reused). `make_engine(cfg, folder)` opens the configured engine on it.
+fields>` (built once, then reused). `make_engine(cfg, folder)` opens the configured engine on it;
+`roles_from_config(cfg)` gives the agents' prompt templates.
 
 Deliberate simplification: the `openai` engine assumes the server serves the same model folder
 (its tokenizer is loaded locally from `folder`).
@@ -17,6 +18,7 @@ import shutil
 import threading
 from pathlib import Path
 
+from marsrl_core.agents.roles import DEFAULT_TEMPLATES, TINY_TEMPLATES, Roles
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.engines.base import EngineError
 
@@ -79,3 +81,10 @@ def make_engine(cfg: MarsRLConfig, folder: Path):
     if not cfg.engine.base_url:
         raise EngineError("engine.base_url: required for engine 'openai' (e.g. http://host:8000/v1)")
     return OpenAIEngine(cfg.engine.base_url, tokenizer=AutoTokenizer.from_pretrained(folder))
+
+
+def roles_from_config(cfg: MarsRLConfig) -> Roles:
+    base = TINY_TEMPLATES if cfg.roles.templates == "tiny" else DEFAULT_TEMPLATES
+    return Roles.from_config(
+        {"solver": cfg.roles.solver, "verifier": cfg.roles.verifier, "corrector": cfg.roles.corrector}, base=base
+    )

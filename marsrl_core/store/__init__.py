@@ -4,6 +4,7 @@ from marsrl_core.store.connection import CATALOG
 from marsrl_core.store.protocol import Store
 from marsrl_core.store.rows import (
     DROPPED_STALE,
+    Rejection,
     RewardRow,
     SampleRow,
     SegmentRow,
@@ -16,6 +17,7 @@ from marsrl_core.store.segment_store import SegmentStore
 __all__ = [
     "CATALOG",
     "DROPPED_STALE",
+    "Rejection",
     "RewardRow",
     "SampleRow",
     "SegmentRow",

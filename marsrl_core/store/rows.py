@@ -58,6 +58,16 @@ class RewardRow:
     text: str | None = None
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """An input the run went on without (a `rejected_inputs` row): where it came from and why."""
+
+    source: str  # the file, or "rollout:<problem id>"
+    location: str  # "line 7" / "row 7" / "turn 2"
+    reason: str
+    payload: str = ""  # the input itself, cut to 2,000 characters when stored
+
+
 @dataclass
 class StoredSample:
     """A sample rebuilt from the store: prompt, response tokens, behaviour log-probs and versions."""

@@ -13,99 +13,49 @@ from __future__ import annotations
 import pyarrow as pa
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
-
-# Arrow schemas of the tables written in bulk. The DDL below is derived from them so the two never
-# drift apart; `created_at` is filled in by the database at commit.
-ARROW_SCHEMAS: dict[str, pa.Schema] = {
-    "runs": pa.schema([("run_id", pa.string()), ("config_json", pa.string())]),
-    "problems": pa.schema(
-        [
-            ("run_id", pa.string()),
-            ("problem_id", pa.string()),
-            ("prompt", pa.string()),
-            ("answer", pa.string()),
-            ("source", pa.string()),
-        ]
-    ),
-    "samples": pa.schema(
-        [
-            ("run_id", pa.string()),
-            ("sample_id", pa.string()),
-            ("problem_id", pa.string()),
-            ("agent", pa.string()),
-            ("turn", pa.int32()),
-            ("parent_sample_id", pa.string()),
-            ("group_id", pa.string()),
-            ("group_size", pa.int32()),
-            ("prompt_tokens", pa.list_(pa.int32())),
-        ]
-    ),
-    "segments": pa.schema(
-        [
-            ("run_id", pa.string()),
-            ("sample_id", pa.string()),
-            ("segment_index", pa.int32()),
-            ("token_ids", pa.list_(pa.int32())),
-            ("logprobs", pa.list_(pa.float32())),
-            ("policy_version", pa.int32()),
-            ("finish_reason", pa.string()),
-        ]
-    ),
-    "rewards": pa.schema(
-        [
-            ("run_id", pa.string()),
-            ("sample_id", pa.string()),
-            ("reward", pa.float32()),
-            ("correct", pa.bool_()),
-            ("outcome", pa.string()),
-            ("parsed", pa.string()),
-            ("text", pa.string()),
-        ]
-    ),
-    "consumptions": pa.schema(
-        [("run_id", pa.string()), ("sample_id", pa.string()), ("agent", pa.string()), ("learner_step", pa.int32())]
-    ),
-    "policy_versions": pa.schema(
-        [
-            ("run_id", pa.string()),
-            ("version", pa.int32()),
-            ("checkpoint_uri", pa.string()),
-            ("mlflow_run_id", pa.string()),
-        ]
-    ),
-    "train_steps": pa.schema(
-        [("run_id", pa.string()), ("step", pa.int32()), ("agent", pa.string()), ("metrics_json", pa.string())]
-    ),
-    "evaluations": pa.schema(
-        [("run_id", pa.string()), ("label", pa.string()), ("dataset", pa.string()), ("metrics_json", pa.string())]
-    ),
-    "run_events": pa.schema([("run_id", pa.string()), ("event", pa.string()), ("detail", pa.string())]),
-    "rejected_inputs": pa.schema(
-        [
-            ("run_id", pa.string()),
-            ("source", pa.string()),
-            ("location", pa.string()),
-            ("reason", pa.string()),
-            ("payload", pa.string()),
-        ]
-    ),
+_TYPES = {  # column type -> (Arrow type, SQL type)
+    "string": (pa.string(), "VARCHAR"),
+    "int32": (pa.int32(), "INTEGER"),
+    "float32": (pa.float32(), "FLOAT"),
+    "bool": (pa.bool_(), "BOOLEAN"),
+    "int32[]": (pa.list_(pa.int32()), "INTEGER[]"),
+    "float32[]": (pa.list_(pa.float32()), "FLOAT[]"),
 }
 
-_SQL_TYPES = {
-    pa.string(): "VARCHAR",
-    pa.int32(): "INTEGER",
-    pa.float32(): "FLOAT",
-    pa.bool_(): "BOOLEAN",
-    pa.list_(pa.int32()): "INTEGER[]",
-    pa.list_(pa.float32()): "FLOAT[]",
+# The tables written in bulk, as "column type" lists: the Arrow schemas of the batches and the DDL
+# are both derived from them, so the two never drift apart; `created_at` is filled in at commit.
+TABLES: dict[str, str] = {
+    "runs": "run_id string, config_json string",
+    "problems": "run_id string, problem_id string, prompt string, answer string, source string",
+    "samples": "run_id string, sample_id string, problem_id string, agent string, turn int32, "
+    "parent_sample_id string, group_id string, group_size int32, prompt_tokens int32[]",
+    "segments": "run_id string, sample_id string, segment_index int32, token_ids int32[], logprobs float32[], "
+    "policy_version int32, finish_reason string",
+    "rewards": "run_id string, sample_id string, reward float32, correct bool, outcome string, parsed string, "
+    "text string",
+    "consumptions": "run_id string, sample_id string, agent string, learner_step int32",
+    "policy_versions": "run_id string, version int32, checkpoint_uri string, mlflow_run_id string",
+    "train_steps": "run_id string, step int32, agent string, metrics_json string",
+    "evaluations": "run_id string, label string, dataset string, metrics_json string",
+    "run_events": "run_id string, event string, detail string",
+    "rejected_inputs": "run_id string, source string, location string, reason string, payload string",
+}
+
+
+def _columns(table: str) -> list[tuple[str, str]]:
+    return [tuple(column.split()) for column in TABLES[table].split(", ")]
+
+
+ARROW_SCHEMAS: dict[str, pa.Schema] = {
+    table: pa.schema([(name, _TYPES[kind][0]) for name, kind in _columns(table)]) for table in TABLES
 }
 
 
 def table_ddl(catalog: str) -> list[str]:
     """CREATE TABLE statements for every event table (idempotent)."""
     statements = []
-    for name, schema in ARROW_SCHEMAS.items():
-        columns = ", ".join(f"{field.name} {_SQL_TYPES[field.type]}" for field in schema)
+    for name in TABLES:
+        columns = ", ".join(f"{column} {_TYPES[kind][1]}" for column, kind in _columns(name))
         statements.append(
             f"CREATE TABLE IF NOT EXISTS {catalog}.{name} ({columns}, created_at TIMESTAMP WITH TIME ZONE)"
         )

@@ -23,6 +23,7 @@ import pyarrow as pa
 from marsrl_core.store.connection import CATALOG, StoreConnection
 from marsrl_core.store.rows import (
     DROPPED_STALE,
+    Rejection,
     RewardRow,
     SampleRow,
     SegmentRow,
@@ -81,21 +82,17 @@ class StoreWrites(StoreConnection):
         batch = pa.table({"run_id": [run_id], "event": [event], "detail": [detail]}, schema=ARROW_SCHEMAS["run_events"])
         self._transaction(lambda c: self._insert(c, "run_events", batch))
 
-    def reject(self, run_id: str, source: str, location: str, reason: str, payload: str = "") -> None:
-        """Record a rejected input (what and why); the run goes on without it."""
-        self.reject_many(run_id, [(source, location, reason, payload)])
-
-    def reject_many(self, run_id: str, rows: Sequence[tuple[str, str, str, str]]) -> None:
-        if not rows:
+    def reject(self, run_id: str, rejections: Sequence[Rejection]) -> None:
+        """Record rejected inputs (what and why); the run goes on without them."""
+        if not rejections:
             return
-        columns = list(zip(*rows))
         batch = pa.table(
             {
-                "run_id": [run_id] * len(rows),
-                "source": columns[0],
-                "location": columns[1],
-                "reason": columns[2],
-                "payload": [p[:2000] for p in columns[3]],
+                "run_id": [run_id] * len(rejections),
+                "source": [r.source for r in rejections],
+                "location": [r.location for r in rejections],
+                "reason": [r.reason for r in rejections],
+                "payload": [r.payload[:2000] for r in rejections],
             },
             schema=ARROW_SCHEMAS["rejected_inputs"],
         )

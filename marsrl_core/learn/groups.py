@@ -1,0 +1,31 @@
+"""Which complete groups a learner step takes: the learner's poll of the store."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from marsrl_core.config import AGENTS
+from marsrl_core.store import TrainableGroup
+
+if TYPE_CHECKING:
+    from marsrl_core.learn.learner import Learner
+
+
+def ready_groups(learner: Learner, flush: bool = False) -> list[TrainableGroup]:
+    """Up to `groups_per_step` complete groups per agent (`downstream_groups_per_step` for the Verifier
+    and the Corrector); empty unless some agent has that many ready
+    (or `flush`, at the end of a run, when any ready group counts). Groups older than the learner's
+    `max_staleness` come along flagged `stale` (the step drops them) but never make a step ready,
+    except at `flush` when no fresh group is left: the run's data is all there is, so up to a step's
+    count of them per agent (the newest) are trained on rather than ending the run short of its steps."""
+    per_agent, bound = learner.cfg.learner.groups_per_step_by_agent(), learner.cfg.learner.max_staleness
+    by_agent = learner.store.trainable_groups_by_agent(
+        learner.run_id, AGENTS, limit=per_agent, min_version=None if bound is None else learner.step - bound
+    )
+    fresh = {agent: [g for g in groups if not g.stale] for agent, groups in by_agent.items()}
+    if flush and not any(fresh.values()):
+        return [replace(g, stale=False) for agent, groups in by_agent.items() for g in groups[-per_agent[agent] :]]
+    if not flush and all(len(groups) < per_agent[agent] for agent, groups in fresh.items()):
+        return []
+    return [g for groups in by_agent.values() for g in groups]

@@ -1,0 +1,48 @@
+"""A run's problem batches: batch `b` is `rollout.problems_per_batch` problems, the same on every call.
+
+Synthetic problems (no `data.train_dataset`) come from a generator seeded by the run's seed and the
+batch index. A training file's good rows are dealt out in order, batch after batch, cycling when the
+file runs out; problem ids carry the batch (`b<b>-<row id>`), so a row used twice is two problems.
+The file is read once per process (every turn task of every batch slices it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from marsrl_core.agents.problems import LoadedProblems, Problem, load_problems
+from marsrl_core.config import MarsRLConfig
+from marsrl_core.demo.synthetic import make_problems
+from marsrl_core.store import Rejection
+
+
+def batch_problems(cfg: MarsRLConfig, batch_index: int) -> list[Problem]:
+    """The problems of batch `batch_index`."""
+    n = cfg.rollout.problems_per_batch
+    if cfg.data.train_dataset is None:
+        return make_problems(
+            n,
+            cfg.seed * 100_003 + batch_index,
+            prefix=f"b{batch_index}",
+            min_terms=cfg.data.synthetic_min_terms,
+            max_terms=cfg.data.synthetic_max_terms,
+        )
+    pool = training_set(cfg).problems
+    return [
+        Problem(f"b{batch_index}-{p.problem_id}", p.prompt, p.answer, p.source)
+        for p in (pool[(batch_index * n + i) % len(pool)] for i in range(n))
+    ]
+
+
+def training_rejections(cfg: MarsRLConfig) -> list[Rejection]:
+    """The training file's bad rows (none for synthetic problems)."""
+    return [] if cfg.data.train_dataset is None else training_set(cfg).rejected
+
+
+def training_set(cfg: MarsRLConfig) -> LoadedProblems:
+    return _load(cfg.data.train_dataset, cfg.data.question_field, cfg.data.answer_field)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str, question_field: str, answer_field: str) -> LoadedProblems:
+    return load_problems(path, question_field=question_field, answer_field=answer_field)

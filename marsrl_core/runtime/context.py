@@ -1,0 +1,149 @@
+"""The process context: what one worker process holds for the runs it works on.
+
+A worker process (a `marsrl` command, a Prefect worker's flow run) keeps one store connection per
+store, one engine per policy (wrapped in a `BatchingEngine`, so that concurrent rollout tasks share
+segment batches: the agentic pipeline), one learner and one MLflow run per training run, and the set
+of runs it is stopping. `Runtime` holds them, created on first use and shared by every thread of the
+process; `runtime()` is the process's one instance. Its first store also starts the process's
+`MemoryTrimmer` (every `malloc_trim_every_s` of that first config).
+
+Rollout and learner meet only through the store and the checkpoint files: an engine picks up a newer
+committed version from the store at stage boundaries, so rollout and learner can live in different
+processes or machines, each with its own `Runtime`.
+
+Deliberate simplification: what it holds is keyed by run and model, never evicted (a worker serves
+one run at a time).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import transformers  # noqa: F401  (imported here, once: lazy imports from several threads race)
+
+from marsrl_core.config import AGENTS, MarsRLConfig
+from marsrl_core.engines.batching import BatchingEngine
+from marsrl_core.learn.checkpoint import checkpoint_root
+from marsrl_core.runtime.memory import MemoryTrimmer
+from marsrl_core.runtime.policy import make_engine, policy_folder
+from marsrl_core.store import SegmentStore, Store
+from marsrl_core.store.process import StoreProcess
+
+if TYPE_CHECKING:
+    from marsrl_core.learn.learner import Learner
+    from marsrl_core.runtime.tracking import Tracker
+
+
+class Runtime:
+    """The stores, engines, learners and trackers of this process, and the runs it is stopping."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._stores: dict[tuple[str, str], Store] = {}
+        self._engines: dict[tuple[str, str, str], BatchingEngine] = {}
+        self._learners: dict[str, Learner] = {}
+        self._trackers: dict[str, Tracker] = {}
+        self._interrupted: set[str] = set()
+        self._trimmer: MemoryTrimmer | None = None
+
+    # ------------------------------------------------------------------ services
+    def store(self, cfg: MarsRLConfig) -> Store:
+        """The store `cfg` names: in a child process of its own unless `store.separate_process` is off."""
+        key = (cfg.store.catalog_url, cfg.store.data_path)
+        with self._lock:
+            if self._trimmer is None and cfg.malloc_trim_every_s is not None:
+                self._trimmer = MemoryTrimmer(cfg.malloc_trim_every_s)
+            if key not in self._stores:
+                kind = StoreProcess if cfg.store.separate_process else SegmentStore
+                self._stores[key] = kind.from_config(cfg.store)
+            return self._stores[key]
+
+    def engine(self, cfg: MarsRLConfig, agent: str = "policy") -> BatchingEngine:
+        """The engine for `agent` ("policy" when one model serves all agents)."""
+        folder = policy_folder(cfg)
+        key = (str(folder), cfg.engine.name, agent)
+        with self._lock:
+            if key not in self._engines:
+                self._engines[key] = BatchingEngine(make_engine(cfg, folder))
+            return self._engines[key]
+
+    def engines(self, cfg: MarsRLConfig) -> BatchingEngine | dict[str, BatchingEngine]:
+        """One engine for all agents, or one per agent (`learner.policies=per_agent`)."""
+        if cfg.learner.policies == "per_agent":
+            return {agent: self.engine(cfg, agent) for agent in AGENTS}
+        return self.engine(cfg)
+
+    def tracker(self, cfg: MarsRLConfig, run_id: str) -> Tracker:
+        """The MLflow run of a training run."""
+        from marsrl_core.runtime.tracking import Tracker
+
+        with self._lock:
+            if run_id not in self._trackers:
+                self._trackers[run_id] = Tracker(cfg.tracking, run_id, cfg.model_dump(mode="json"))
+            return self._trackers[run_id]
+
+    def learner(self, cfg: MarsRLConfig, run_id: str) -> Learner:
+        """The run's learner, resumed from its last committed version when first built."""
+        from transformers import AutoTokenizer
+
+        from marsrl_core.learn.learner import Learner
+
+        with self._lock:
+            if run_id not in self._learners:
+                folder = policy_folder(cfg)
+                learner = Learner(
+                    cfg,
+                    self.store(cfg),
+                    run_id,
+                    folder,
+                    checkpoint_root(cfg.output_dir, run_id),
+                    AutoTokenizer.from_pretrained(folder),
+                    self.tracker(cfg, run_id),
+                )
+                learner.resume()
+                self._learners[run_id] = learner
+            return self._learners[run_id]
+
+    def drop_learner(self, run_id: str) -> None:
+        """Forget the run's learner: the next `learner()` rebuilds it from the last committed version
+        (after a failed step, whose update may be in memory but was never committed)."""
+        with self._lock:
+            self._learners.pop(run_id, None)
+
+    def has_tracker(self, run_id: str) -> bool:
+        return run_id in self._trackers
+
+    # ------------------------------------------------------------------ stopping
+    def interrupt(self, run_id: str) -> None:
+        """Stop `run_id`'s work in this process soon: rollout turns at their next stage boundary (they
+        raise `RolloutInterrupted`; what they decoded is stored), the learner loop before its next step.
+        Stays in force (later turns stop at once) until `clear_interrupt(run_id)`."""
+        with self._lock:
+            self._interrupted.add(run_id)
+
+    def interrupted(self, run_id: str) -> bool:
+        return run_id in self._interrupted
+
+    def clear_interrupt(self, run_id: str) -> None:
+        """Forget an earlier `interrupt(run_id)`: called when the run's work starts in this process."""
+        with self._lock:
+            self._interrupted.discard(run_id)
+
+    def close(self) -> None:
+        """Close the stores (and their child processes) and forget the learners that use them; the next
+        call opens afresh."""
+        with self._lock:
+            stores = list(self._stores.values())
+            self._stores.clear()
+            self._learners.clear()
+            for store in stores:
+                store.close()
+
+
+_runtime = Runtime()
+
+
+def runtime() -> Runtime:
+    """This process's `Runtime`."""
+    return _runtime

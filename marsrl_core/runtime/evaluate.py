@@ -1,0 +1,80 @@
+"""Evaluating a policy behind `marsrl eval` and the evaluate flow: Solver, Verifier, Corrector and V-C
+metrics on a dataset (or on held-out synthetic problems), recorded in the store's `evaluations` table.
+
+The policy is a model folder or a learner checkpoint version (`agent_folders`); the run's starting
+policy when none is given. Held-out synthetic problems are generated from a seed that no training
+batch uses.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from marsrl_core.agents.evaluation import EvalReport, evaluate
+from marsrl_core.agents.problems import Problem, load_problems
+from marsrl_core.config import AGENTS, MarsRLConfig
+from marsrl_core.demo.synthetic import make_problems
+from marsrl_core.engines.base import SamplingParams, TextGenerator, derive_seed
+from marsrl_core.learn.checkpoint import agent_folders
+from marsrl_core.runtime.policy import make_engine, policy_folder, roles_from_config
+from marsrl_core.store import Store
+
+HELD_OUT_SEED_OFFSET = 10_000  # held-out synthetic problems never share a generator seed with training
+
+
+def evaluation_problems(cfg: MarsRLConfig, store: Store, run_id: str, tokenizer) -> list[Problem]:
+    ev = cfg.evaluation
+    if ev.dataset is None:
+        return make_problems(ev.num_problems, cfg.seed + HELD_OUT_SEED_OFFSET, prefix="heldout")
+    loaded = load_problems(
+        ev.dataset,
+        question_field=ev.question_field,
+        answer_field=ev.answer_field,
+        count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
+        max_prompt_tokens=cfg.model.max_prompt_tokens,
+    )
+    store.reject(run_id, loaded.rejected)
+    return loaded.problems[: ev.num_problems]
+
+
+def evaluation_generators(cfg: MarsRLConfig, folder: Path) -> dict[str, TextGenerator]:
+    """One text generator per agent for the policy in `folder`: a model folder, or a learner checkpoint
+    (its `policy` model, or one model per agent for `per_agent`). Agents that share a model share a
+    generator. Separate generators get separate seed streams: generators that share a seed draw the
+    same noise on their n-th call, and a Corrector drawing the Solver's noise repeats its mistakes (a
+    repair is written token for token in the solution's format)."""
+    folders = agent_folders(folder)
+    ev = cfg.evaluation
+    generators = {}
+    for stream, path in enumerate(sorted(set(folders.values()))):
+        engine = make_engine(cfg, path)
+        generators[path] = TextGenerator(
+            engine,
+            engine.tokenizer,
+            cfg.rollout.segment_tokens,
+            SamplingParams(temperature=ev.temperature, seed=derive_seed(cfg.seed, stream)),
+        )
+    return {agent: generators[path] for agent, path in folders.items()}
+
+
+def evaluate_policy(cfg: MarsRLConfig, store: Store, run_id: str, label: str, folder: Path | None = None) -> EvalReport:
+    """Evaluate a policy (see `evaluation_generators` for `folder`; the run's starting policy when None)
+    and record the metrics."""
+    generator = evaluation_generators(cfg, Path(folder) if folder is not None else policy_folder(cfg))
+    ev = cfg.evaluation
+    problems = evaluation_problems(cfg, store, run_id, generator["solver"].tokenizer)
+    budgets = {agent: cfg.rollout.max_tokens(agent) for agent in AGENTS}
+    start = time.perf_counter()
+    report = evaluate(
+        generator,
+        roles_from_config(cfg),
+        problems,
+        k=ev.k,
+        max_tokens=budgets,
+        accept_after=ev.accept_after,
+        max_rounds=ev.max_rounds,
+    )
+    metrics = report.as_dict() | {"wall_clock_s": time.perf_counter() - start}
+    store.record_evaluation(run_id, label, ev.dataset or "synthetic-heldout", metrics)
+    return report

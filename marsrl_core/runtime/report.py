@@ -1,0 +1,57 @@
+"""What a run prints and writes: the before/after table and the figures of `benchmarks/results/train.json`."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+from marsrl_core.agents.evaluation import EvalReport
+
+
+def print_report(console: Console, reports: dict[str, EvalReport | dict]) -> None:
+    table = Table(title="evaluation (avg@k, held-out problems)")
+    table.add_column("measure")
+    for label in reports:
+        table.add_column(label)
+    rows = [
+        ("Solver accuracy", "solver_acc"),
+        ("Verifier balanced accuracy", "verifier_bal_acc"),
+        ("Verifier: wrong solutions caught", "verifier_recall"),
+        ("Verifier precision (Wrong)", "verifier_precision"),
+        ("Corrector fix rate", "corrector_fix"),
+        ("Corrector break rate", "corrector_break"),
+        ("Corrector break rate after a false flag", "corrector_break_false_flag"),
+        ("V-C system accuracy", "vc_acc"),
+        ("tokens per problem", "tokens_per_problem"),
+    ]
+    for name, key in rows:
+        # a dict is a recorded evaluation: one recorded before a measure existed lacks it
+        values = [r.get(key, math.nan) if isinstance(r, dict) else getattr(r, key) for r in reports.values()]
+        table.add_row(
+            name,
+            *["n/a" if math.isnan(v) else (f"{v:.0f}" if key.startswith("tokens") else f"{v:.1%}") for v in values],
+        )
+    console.print(table)
+
+
+def train_summary(result: dict, seed: int, wall_clock_s: float) -> dict[str, float | int]:
+    """The train.json figures of a train-flow result (accuracies as fractions; NaN where not measured)."""
+    before, after = result.get("before") or {}, result.get("after") or {}
+    nan = math.nan
+    return {
+        "solver_acc_before": before.get("solver_acc", nan),
+        "solver_acc_after": after.get("solver_acc", nan),
+        "verifier_bal_acc_before": before.get("verifier_bal_acc", nan),
+        "verifier_bal_acc_after": after.get("verifier_bal_acc", nan),
+        "verifier_wrong_caught_after": after.get("verifier_recall", nan),
+        "corrector_fix_before": before.get("corrector_fix", nan),
+        "corrector_fix_after": after.get("corrector_fix", nan),
+        "corrector_break_after": after.get("corrector_break", nan),
+        "vc_acc_before": before.get("vc_acc", nan),
+        "vc_acc_after": after.get("vc_acc", nan),
+        "wall_clock_s": wall_clock_s,
+        "learner_steps": int(result.get("learner_steps", 0)),
+        "seed": seed,
+    }

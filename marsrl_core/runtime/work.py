@@ -1,0 +1,160 @@
+"""The units of work that orchestration calls (a Prefect task each, or a flow's cheap question), run
+on this process's `Runtime`. They take the config and ids and return small results; what crosses from
+one to the next goes through the store.
+
+- `start_run`, `resumed_config`: record a run; read back the config it was started with.
+- `record_batch(cfg, run_id, b)`: the problems of batch `b` (`rollout.batches`), stored.
+- `rollout_turn(cfg, run_id, b, turn)`: decode turn `turn` of batch `b` to its end, unless the run is
+  interrupted in this process first (`RolloutInterrupted` at a stage boundary).
+- `mark_batch_done(cfg, run_id, b)`: record that batch `b` has ended (a resumed run skips it).
+- `ready_groups(cfg, run_id, flush)`: the groups a learner step would take now (the learner flow's poll).
+- `train_step(cfg, run_id, groups)`: one learner step on those groups (or on what is ready).
+- `evaluate`, `log_reward_curves`, `compact`: evaluation before/after, MLflow's reward curves, and
+  store maintenance.
+
+Deliberate simplification: with several rollout flows sharing an engine, the staleness bound is
+enforced per rollout turn, not across them.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from marsrl_core.config import ConfigError, MarsRLConfig, build_config
+from marsrl_core.learn.checkpoint import agent_folders
+from marsrl_core.learn.groups import ready_groups as _ready_groups
+from marsrl_core.rollout.batches import batch_problems, training_rejections
+from marsrl_core.rollout.scheduler import RolloutScheduler
+from marsrl_core.runtime import events
+from marsrl_core.runtime.context import runtime
+from marsrl_core.runtime.policy import roles_from_config
+from marsrl_core.store import Store, TrainableGroup
+
+
+def start_run(cfg: MarsRLConfig, run_id: str) -> None:
+    """Record a new run (idempotent: a resumed run keeps its row)."""
+    store = runtime().store(cfg)
+    if store.run_config(run_id) is None:
+        store.create_run(run_id, cfg.model_dump(mode="json"))
+
+
+def resumed_config(cfg: MarsRLConfig, run_id: str) -> MarsRLConfig:
+    """The config a run was started with, read from the store that `cfg` points at (for --resume)."""
+    stored = runtime().store(cfg).run_config(run_id)
+    if stored is None:
+        raise ConfigError(f"--resume {run_id!r}: no such run in the store {cfg.store.catalog_url!r}")
+    return build_config(stored)
+
+
+def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
+    """Store the problems of batch `batch_index` (those not stored yet); the training file's bad rows are
+    recorded with the first batch."""
+    store = runtime().store(cfg)
+    problems = batch_problems(cfg, batch_index)
+    if batch_index == 0:
+        store.reject(run_id, training_rejections(cfg))
+    known = store.known_problems(run_id, [p.problem_id for p in problems])
+    return store.add_problems(run_id, [p for p in problems if p.problem_id not in known])
+
+
+def mark_batch_done(cfg: MarsRLConfig, run_id: str, batch_index: int) -> None:
+    runtime().store(cfg).mark(run_id, events.batch_done(batch_index))
+
+
+def _newer_policy(store: Store, run_id: str, current_version: int, *, per_agent: bool):
+    """(version, checkpoint folder or {agent: folder}) of a committed version newer than the engines'."""
+    latest = store.latest_version(run_id)
+    if latest is None or latest[0] <= current_version:
+        return None
+    version, uri = latest
+    folders = agent_folders(Path(uri))
+    return version, folders if per_agent else folders["solver"]
+
+
+def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> dict[str, int]:
+    """Decode turn `turn` of batch `batch_index`; returns counts for the task's result."""
+    rt = runtime()
+    store, engines = rt.store(cfg), rt.engines(cfg)
+    tokenizer = (engines["solver"] if isinstance(engines, dict) else engines).tokenizer
+    problems = batch_problems(cfg, batch_index)
+    scheduler = RolloutScheduler(
+        cfg,
+        store,
+        run_id,
+        engines,
+        tokenizer,
+        roles_from_config(cfg),
+        iter(problems if turn == 0 else ()),
+        seed=cfg.seed * 7919 + batch_index * 31 + turn,
+        newer_policy=functools.partial(_newer_policy, store, run_id, per_agent=isinstance(engines, dict)),
+        interrupted=functools.partial(rt.interrupted, run_id),
+    )
+    scheduler.resume({p.problem_id: p for p in problems})
+    try:
+        reports = scheduler.run_turn(turn)
+    finally:  # the samples form reference cycles: free them now, not at the collector's next full pass
+        scheduler.release()
+    return {
+        "stages": len(reports),
+        "tokens": sum(r.tokens for r in reports),
+        "finished": sum(r.finished for r in reports),
+        "new_samples": sum(r.new_samples for r in reports),
+    }
+
+
+def ready_groups(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> list[TrainableGroup]:
+    """The groups the run's learner would train on now; empty while not enough are ready (see
+    `marsrl_core.learn.groups.ready_groups`). One store query."""
+    return _ready_groups(runtime().learner(cfg, run_id), flush=flush)
+
+
+def train_step(
+    cfg: MarsRLConfig, run_id: str, groups: list[TrainableGroup] | None = None, flush: bool = False
+) -> dict[str, Any] | None:
+    """One learner step on `groups` (as `ready_groups` found them; found here when None); None when
+    there is nothing to train on."""
+    rt = runtime()
+    learner = rt.learner(cfg, run_id)
+    groups = _ready_groups(learner, flush=flush) if groups is None else groups
+    if not groups:
+        return None
+    try:
+        report = learner.train_step(groups)
+    except BaseException:
+        # The update may have been applied in memory but not committed: drop this learner so a retry
+        # rebuilds it from the last committed version (and its uncommitted folder is cleaned up).
+        rt.drop_learner(run_id)
+        raise
+    return {"step": report.step, "checkpoint": str(report.checkpoint), "metrics": report.metrics}
+
+
+def evaluate(cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None = None) -> dict[str, float]:
+    """Evaluate a policy (the starting one, or a checkpoint folder), record it in the store, and log it to
+    the run's MLflow run when this process has one."""
+    from marsrl_core.runtime.evaluate import evaluate_policy
+
+    rt = runtime()
+    folder = None if checkpoint is None else Path(checkpoint)
+    report = evaluate_policy(cfg, rt.store(cfg), run_id, label, folder=folder)
+    if rt.has_tracker(run_id):
+        rt.tracker(cfg, run_id).log_metrics({f"eval_{label}/{k}": v for k, v in report.as_dict().items()})
+    return report.as_dict()
+
+
+def log_reward_curves(cfg: MarsRLConfig, run_id: str) -> None:
+    """Plot the run's per-agent reward curves and log the PNG to its MLflow run."""
+    from matplotlib import pyplot as plt
+
+    from marsrl_core.runtime.plots import reward_curves
+
+    rt = runtime()
+    figure = reward_curves(rt.store(cfg), run_id)
+    rt.tracker(cfg, run_id).log_figure(figure, "reward_curves.png")
+    plt.close(figure)
+
+
+def compact(cfg: MarsRLConfig) -> dict[str, int]:
+    """Compact the store (`Store.compact`) with the configured retention."""
+    return runtime().store(cfg).compact(retention_s=60 * cfg.store.compaction_retention_minutes)
