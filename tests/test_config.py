@@ -65,6 +65,20 @@ def test_bad_yaml_file_is_named(tmp_path):
         load_config("tiny", tmp_path / "missing.yaml")
 
 
+def test_numbers_are_finite_and_a_bool_is_not_a_number(capsys):
+    assert main(["config", "--set", "learner.learning_rate=.inf"]) == 2
+    assert "learner.learning_rate=inf: Input should be a finite number" in capsys.readouterr().err
+    assert main(["config", "--set", "rollout.explore=.nan"]) == 2
+    assert "rollout.explore=nan" in capsys.readouterr().err
+    assert main(["config", "--set", "learner.max_steps=true"]) == 2
+    assert "learner.max_steps=True: expected a number, got a bool" in capsys.readouterr().err
+    assert main(["config", "--set", "learner.tis_cap=false"]) == 2  # an optional number too
+    assert "learner.tis_cap=False" in capsys.readouterr().err
+    # YAML reads 1e-4 as a string; it is still a number, and a real bool field still takes a bool
+    assert load_config("tiny", None, ["learner.learning_rate=1e-4"]).learner.learning_rate == 1e-4
+    assert load_config("tiny", None, ["rollout.synchronous=true"]).rollout.synchronous is True
+
+
 def test_cli_reports_config_errors_without_traceback(capsys):
     assert main(["config", "--set", "rollout.num_generations=-1"]) == 2
     assert "rollout.num_generations=-1" in capsys.readouterr().err
