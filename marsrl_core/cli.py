@@ -58,12 +58,18 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from marsrl_core.store import SegmentStore
+    """The store's SQL console: read-only (SELECT and EXPLAIN; writes are refused with one line)."""
+    import duckdb
+
+    from marsrl_core.store import SegmentStore, StoreError
 
     cfg = _config(args)
-    store = SegmentStore.from_config(cfg.store, create=False)
+    store = SegmentStore.from_config(cfg.store, create=False, read_only=True)
     if args.query:
-        print_table(store.query(args.query))
+        try:
+            print_table(store.query(args.query))
+        except duckdb.Error as err:  # a malformed query, an unknown table: one line, not a traceback
+            raise StoreError(f"query: {str(err).splitlines()[0]}") from None
         return 0
     console.print(
         "MarsRL store console: tables runs, problems, samples, segments, rewards, consumptions, "
@@ -80,7 +86,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
         try:
             print_table(store.query(text))
         except Exception as err:  # an interactive console reports and goes on
-            console.print(f"[red]error:[/red] {err}")
+            console.print(f"[red]error:[/red] {str(err).splitlines()[0]}")
 
 
 def cmd_compact(args: argparse.Namespace) -> int:

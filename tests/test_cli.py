@@ -7,7 +7,7 @@ import json
 import pytest
 
 from marsrl_core.cli import main
-from marsrl_core.store import SegmentStore
+from marsrl_core.store import RewardRow, SampleRow, SegmentStore
 from tests.configs import set_args
 from tests.test_problems import _aime
 
@@ -56,3 +56,29 @@ def test_sql_interactive_prompt_reports_errors_and_goes_on(where, monkeypatch, c
     assert main(["sql", *where]) == 0
     out = capsys.readouterr().out
     assert "│ 1 " in out and "error" in out and "42" in out
+
+
+def test_the_sql_console_is_read_only_and_reports_a_bad_query_in_one_line(where, tmp_path, capsys):
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    store.create_run("r", {})
+    store.append("r", [SampleRow("s1", "p", "solver", 0, "g", 1, [1, 2])], [], [RewardRow("s1", 1.0)])
+    store.commit_step("r", 1, {"solver": ["s1"]}, "ckpt/v1")
+    capsys.readouterr()
+    writes = [
+        "DELETE FROM consumptions WHERE learner_step = 1",
+        "INSERT INTO policy_versions VALUES ('r', 999, 'fake', NULL, now())",
+        "DROP TABLE runs",
+        f"ATTACH 'ducklake:sqlite:{tmp_path}/lake.sqlite' AS again (DATA_PATH '{tmp_path}/data/')",
+        "COPY runs TO 'runs.csv'",
+    ]
+    for sql in writes:
+        assert main(["sql", *where, sql]) == 2, sql
+        err = capsys.readouterr().err
+        assert "read-only" in err and "statements are refused" in err and len(err.strip().splitlines()) == 1
+    assert store.count("consumptions", "r") == 1 and store.latest_version("r") == (1, "ckpt/v1")
+    for sql, message in (("SELEC 1", "Parser Error"), ("SELECT * FROM no_such_table", "no_such_table")):
+        assert main(["sql", *where, sql]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(["sql", *where, "SELECT count(*) AS n FROM consumptions"]) == 0
+    assert "1" in capsys.readouterr().out

@@ -60,12 +60,22 @@ def _is_transient(err: Exception) -> bool:
     return any(marker in text for marker in _TRANSIENT)
 
 
-class StoreConnection:
-    """One DuckDB connection with the lake attached as `CATALOG`; safe to share between threads."""
+READ_STATEMENTS = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)  # what a read-only store runs
 
-    def __init__(self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True):
+
+class StoreConnection:
+    """One DuckDB connection with the lake attached as `CATALOG`; safe to share between threads.
+
+    `read_only` (the SQL console): an existing store attached with DuckLake's READ_ONLY, file access
+    and configuration changes switched off after the attach, and `query` runs only SELECT and EXPLAIN
+    statements, so nothing a user types can change the ledger."""
+
+    def __init__(
+        self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True, read_only: bool = False
+    ):
         self.catalog_url = catalog_url
         self.data_path = data_path
+        self.read_only = read_only
         self.max_retries = max_retries
         self.lock_retries = 0
         self._lock = threading.RLock()
@@ -87,7 +97,7 @@ class StoreConnection:
             return self._attach(kind)
 
     def _attach(self, kind: str) -> duckdb.DuckDBPyConnection:
-        if "://" not in self.data_path:
+        if "://" not in self.data_path and not self.read_only:
             try:
                 Path(self.data_path).mkdir(parents=True, exist_ok=True)
             except OSError as err:
@@ -127,10 +137,15 @@ class StoreConnection:
             con.execute(f"CREATE OR REPLACE SECRET marsrl_s3 (TYPE s3, {', '.join(options)})")
         data_path = self.data_path if "://" in self.data_path else str(Path(self.data_path).resolve()) + "/"
         try:
-            con.execute(f"ATTACH 'ducklake:{self.catalog_url}' AS {CATALOG} (DATA_PATH '{data_path}')")
+            options = f"DATA_PATH '{data_path}'" + (", READ_ONLY" if self.read_only else "")
+            con.execute(f"ATTACH 'ducklake:{self.catalog_url}' AS {CATALOG} ({options})")
         except duckdb.Error as err:
             raise StoreError(f"catalog_url={self.catalog_url!r}: cannot attach DuckLake catalog ({err})") from None
         self._con = con
+        if self.read_only:
+            con.execute("SET enable_external_access = false")
+            con.execute("SET lock_configuration = true")
+            return con
         self._transaction(lambda c: [c.execute(sql) for sql in table_ddl(CATALOG) + view_ddl(CATALOG)])
         return con
 
@@ -227,7 +242,17 @@ class StoreConnection:
             con.unregister(name)
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> pa.Table:
-        """Run any SQL with the lake as the default catalog (tables and views unqualified)."""
+        """Run any SQL with the lake as the default catalog (tables and views unqualified); a read-only
+        store runs SELECT and EXPLAIN statements only (StoreError for any other)."""
+        if self.read_only:
+            with self._lock:
+                kinds = {statement.type for statement in self._con.extract_statements(sql)}
+            refused = sorted(kind.name for kind in kinds if kind not in READ_STATEMENTS)
+            if refused:
+                raise StoreError(
+                    f"the store is open read-only: {', '.join(refused)} statements are refused "
+                    "(SELECT and EXPLAIN run; `marsrl compact` does maintenance)"
+                )
 
         def attempt() -> pa.Table:
             with self._lock:
