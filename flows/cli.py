@@ -27,19 +27,26 @@ from marsrl_core.runtime.report import print_report, train_summary
 def cmd_train(args: argparse.Namespace) -> int:
     from flows.train import train_flow
     from marsrl_core.runtime import work
+    from marsrl_core.runtime.context import runtime
 
     cfg = core_cli._config(args)
     if args.resume:
         cfg = work.resumed_config(cfg, args.resume)  # the stored config, so the run continues as it began
         core_cli.console.print(f"resuming run [bold]{args.resume}[/bold]")
+    work.check_inputs(cfg)  # one line and exit 2 on a bad dataset, before Prefect starts
+    if args.resume or args.run_id:  # one learner per run: refused here, in one line, if the run has one
+        runtime().lease(cfg, args.resume or args.run_id)
     start = time.perf_counter()
     result = train_flow(cfg, args.resume or args.run_id)
     reports = {label: result[label] for label in ("before", "after") if label in result}
+    finished = result.get("already_finished", False)
+    if finished:
+        core_cli.console.print(f"run [bold]{result['run_id']}[/bold] had finished: nothing left to decode or train")
     core_cli.console.print(f"run [bold]{result['run_id']}[/bold]: {result['learner_steps']} learner steps")
     if reports:
         print_report(core_cli.console, reports)
     summary = train_summary(result, cfg.seed, time.perf_counter() - start)
-    if args.results:
+    if args.results and not finished:  # a finished run's figures were written when it finished
         _write_json(Path(args.results), summary)
         core_cli.console.print(f"figures written to {args.results}")
     return 0
@@ -108,6 +115,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from marsrl_core.runtime.context import runtime
 
     cfg = core_cli._config(args)
+    runtime().lease(cfg, args.run_id)  # one learner per run: refused here, in one line, if the run has one
     steps = learner_flow(cfg, args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
     store = runtime().store(cfg)
     store.mark(args.run_id, events.STORE_LOCK_RETRIES, f"learner:{store.lock_retries}")

@@ -17,7 +17,7 @@ import time
 
 from prefect import flow
 
-from marsrl_core.config import MarsRLConfig, default_config
+from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 from tasks.evaluation import compact
@@ -34,6 +34,7 @@ def learner_flow(
     poll_s: float = 0.2,
     idle_timeout_s: float = 3600.0,
 ) -> int:
+    config = absolute_paths(config)  # its checkpoint URIs are recorded: absolute, found from any folder
     rt, budget = runtime(), max_steps or config.learner.max_steps
     store = rt.store(config)
     step = rt.learner(config, run_id).step

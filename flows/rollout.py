@@ -30,7 +30,7 @@ from prefect import flow
 
 from flows.slots import DecodeSlots, keep_in_flight
 from flows.subflows import in_thread, parent_heartbeat_only
-from marsrl_core.config import MarsRLConfig, default_config
+from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
 from marsrl_core.rollout.samples import agent_of_turn
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
@@ -122,6 +122,7 @@ def rollouts_flow(
     subflows under one heartbeat: the rollout side of a split run (`marsrl rollout`). Once a
     `stop_requested` run event is recorded it starts no new batch (those running finish); with `finish`
     it then marks the rollouts finished. Returns the number of batches and of rollout stages it ran."""
+    config = absolute_paths(config)  # recorded so: a resume from another folder finds the run's files
     store = runtime().store(config)
     work.start_run(config, run_id)
     todo = batches if batches is not None else range(config.data.num_batches)

@@ -6,8 +6,10 @@ learner trains on each batch before the next one starts. The per-agent reward cu
 
 Run again with the same `run_id` (`marsrl train --resume RUN`), it continues a killed run: an
 evaluation already recorded is not repeated, finished batches are skipped, an unfinished batch resumes
-from its stored samples, and the learner from its last committed version. Stopped (SIGTERM, Ctrl-C)
-or failed, it stops its rollouts at their next stage and its learner before its next step."""
+from its stored samples, and the learner from its last committed version. A run whose learner has all
+its steps decodes and trains nothing more (`already_finished` in the result); only a missing
+evaluation after training is made. Stopped (SIGTERM, Ctrl-C) or failed, it stops its rollouts at
+their next stage and its learner before its next step."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from flows.learner import learner_flow
 from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
 from flows.subflows import in_thread, parent_heartbeat_only
-from marsrl_core.config import MarsRLConfig, default_config
+from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 
@@ -39,6 +41,8 @@ def train_flow(
     evaluate_before: bool = True,
     evaluate_after: bool = True,
 ) -> dict:
+    config = absolute_paths(config)  # recorded so: a resume from another folder finds the run's files
+    work.check_inputs(config)  # a bad dataset fails now, not after the warm start and the first evaluation
     if config.sft.enabled and config.model.path is None:  # warm start first (cached); a resumed run has its path
         config = config.model_copy(update={"model": config.model.model_copy(update={"path": sft_flow(config)})})
     run_id = run_id or f"{config.run_name}-{uuid.uuid4().hex[:8]}"
@@ -47,6 +51,13 @@ def train_flow(
     work.start_run(config, run_id)
     store = rt.store(config)
     result: dict = {"run_id": run_id}
+    latest = store.latest_version(run_id)
+    if latest is not None and latest[0] >= config.learner.max_steps:
+        print(f"run {run_id} has all its {config.learner.max_steps} learner steps: nothing left to decode or train")
+        result.update(already_finished=True, learner_steps=latest[0], before=store.evaluation(run_id, "before"))
+        if evaluate_after:
+            result["after"] = store.evaluation(run_id, "after") or evaluate_flow(config, run_id, "after", latest[1])
+        return {k: v for k, v in result.items() if v is not None}
     if evaluate_before:
         result["before"] = store.evaluation(run_id, "before") or evaluate_flow(config, run_id, "before")
     start = time.perf_counter()

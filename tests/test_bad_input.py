@@ -171,3 +171,18 @@ def test_model_outputs_without_verdict_or_answer_get_zero_reward_and_are_counted
     ).to_pylist()
     assert [(c["agent"], c["n"]) for c in counted] == [("solver", 4), ("verifier", 8)]
     assert all(c["n"] == c["total"] for c in counted)
+
+
+@pytest.mark.parametrize("content", [None, '{"query": "no answer"}\n{"query": "bad \\ud800", "ans_box": "1"}\n'])
+def test_marsrl_train_refuses_an_unusable_training_file_before_any_work(tmp_path, capsys, content):
+    """A missing training file, or one with no good row (here a row without its answer and one that is
+    not valid Unicode), fails `marsrl train` with one line before the run is recorded or evaluated."""
+    data = tmp_path / "train.jsonl"
+    if content is not None:
+        data.write_text(content)
+    args = set_args(tmp_path, **{"data.train_dataset": data, "sft.enabled": False})
+    assert main(["train", *args, "--results", ""]) == 2
+    err = capsys.readouterr().err
+    assert str(data) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert ("no such file" if content is None else "no usable problems") in err
+    assert not (tmp_path / "lake.sqlite").exists()  # no store opened, no run recorded, nothing evaluated

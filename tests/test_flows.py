@@ -327,6 +327,17 @@ def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
     assert "cli-run" in out and "Solver accuracy" in out and "before" in out and "after" in out
     figures = json.loads(results.read_text())
     assert figures["learner_steps"] == 1 and 0.0 <= figures["solver_acc_after"] <= 1.0
+    # Resumed once finished, the run decodes and trains nothing more, and says so.
+    from marsrl_core.store import SegmentStore
+
+    store = SegmentStore.from_config(cfg.store)
+    counts = lambda: (store.count("segments", "cli-run"), store.count("policy_versions", "cli-run"))  # noqa: E731
+    before = counts()
+    again = tmp_path / "again.json"
+    assert main(["train", "--config", str(path), "--resume", "cli-run", "--results", str(again)]) == 0
+    out = capsys.readouterr().out
+    assert "had finished" in out and "Solver accuracy" in out
+    assert counts() == before and not again.exists()
 
 
 def test_marsrl_core_never_imports_prefect():
@@ -365,7 +376,7 @@ def test_training_dataset_batches_skip_and_record_bad_rows(tmp_path):
     data.write_text('{"query": "1+2", "ans_box": "3"}\n{"query": "2+2"}\n{"query": "3+3", "ans_box": "6"}\n')
     cfg = small_config(tmp_path, **{"data.train_dataset": str(data)})
     assert work.record_batch(cfg, "ds", 0) == 2 and work.record_batch(cfg, "ds", 1) == 2
-    from marsrl_core.rollout.batches import batch_problems
+    from marsrl_core.runtime.batches import batch_problems
 
     prompts = [p.prompt for p in batch_problems(cfg, 1)]
     assert prompts == ["1+2", "3+3"]  # batches cycle through the good rows only
@@ -416,3 +427,52 @@ def test_marsrl_ablate_runs_each_variant_and_writes_train_json_keys(tmp_path, ca
         "SELECT min(created_at) AS t FROM run_events WHERE run_id = ? AND event = 'batch_done:0'", [sync]
     ).column("t")[0]
     assert batch_done.as_py() <= first_step.as_py()
+
+
+def test_a_run_resumed_from_another_folder_continues_in_the_store_it_was_pointed_at(tmp_path, monkeypatch, capsys):
+    """The run starts in folder `a` with relative paths (its rollout side only: one batch decoded, no
+    learner step yet); `marsrl train --resume` from folder `b`, pointed at `a`'s store, must continue
+    that run there: no new store or outputs in `b`, the decoded batch not decoded again, the
+    checkpoints under `a`'s output folder."""
+    import yaml
+
+    from flows.cli import main
+    from marsrl_core.store import SegmentStore
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    cfg = small_config(tmp_path, **{"rollout.max_turns": 2, "data.num_batches": 2, "learner.max_steps": 1})
+    relative = cfg.model_dump(mode="json")
+    relative["store"] |= {"catalog_url": "sqlite:marsrl/lake.sqlite", "data_path": "marsrl/lake_data"}
+    relative |= {"output_dir": "marsrl"}
+    relative["tracking"]["mlflow_tracking_uri"] = "sqlite:///mlflow.db"
+    path = tmp_path / "relative.yaml"
+    path.write_text(yaml.safe_dump(relative))
+    monkeypatch.chdir(tmp_path / "a")
+    assert main(["rollout", "--config", str(path), "--run-id", "moved", "--batches", "0"]) == 0
+    store = SegmentStore(f"sqlite:{tmp_path}/a/marsrl/lake.sqlite", f"{tmp_path}/a/marsrl/lake_data", create=False)
+    decoded = store.count("segments", "moved")
+    assert decoded > 0 and store.latest_version("moved") is None
+
+    monkeypatch.chdir(tmp_path / "b")
+    where = [
+        "--set",
+        f"store.catalog_url=sqlite:{tmp_path}/a/marsrl/lake.sqlite",
+        "--set",
+        f"store.data_path={tmp_path}/a/marsrl/lake_data",
+    ]
+    assert main(["train", *where, "--resume", "moved", "--results", ""]) == 0
+    assert "resuming run moved" in capsys.readouterr().out
+    assert list((tmp_path / "b").iterdir()) == []  # nothing created where the resume ran
+    assert store.latest_version("moved")[0] == 1
+    assert store.latest_version("moved")[1].startswith(str(tmp_path / "a" / "marsrl" / "checkpoints"))
+    batch_0 = store.query("SELECT count(*) AS n FROM samples WHERE run_id = 'moved' AND problem_id LIKE 'b0-%'")
+    first = (
+        store.query(
+            "SELECT count(*) AS n FROM samples s JOIN segments g USING (run_id, sample_id) "
+            "WHERE s.run_id = 'moved' AND s.problem_id LIKE 'b0-%'"
+        )
+        .column("n")[0]
+        .as_py()
+    )
+    assert batch_0.column("n")[0].as_py() > 0 and first == decoded  # batch 0 was not decoded again

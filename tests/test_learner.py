@@ -315,3 +315,36 @@ def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, mo
         "SELECT DISTINCT learner_step, sample_id FROM consumptions WHERE run_id = 'poll'"
     ).to_pylist()
     assert sorted(r["sample_id"] for r in consumed) == sorted(s for g in groups for s in g.sample_ids)
+
+
+def test_the_learner_flow_keeps_its_step_budget_when_a_step_fails_and_is_retried(folder, tmp_path, monkeypatch):
+    """A step that fails (here before its commit) is retried by the task with a learner rebuilt from the
+    last committed version; the flow must count the rebuilt learner's steps, so the run stops at its
+    budget and holds exactly that many versions."""
+    from flows.learner import learner_flow
+    from marsrl_core.runtime.context import runtime
+
+    cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=0, groups_per_step=1, downstream_groups_per_step=1)
+    cfg = cfg.model_copy(
+        update={
+            "output_dir": str(tmp_path / "out"),
+            "model": cfg.model.model_copy(update={"path": str(folder)}),
+            "tracking": cfg.tracking.model_copy(update={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}),
+        }
+    )
+    store = runtime().store(cfg)
+    engine = HFEngine.from_pretrained(folder)
+    sample_groups(engine, store, "budget", "solver", "S|2+3|", groups=8, size=4, reward_fn=digit_fraction)
+    calls = []
+    original = Learner.train_step
+
+    def fails_once(self, groups):
+        calls.append(self.step)
+        if len(calls) == 2:
+            raise RuntimeError("injected: the step failed before its commit")
+        return original(self, groups)
+
+    monkeypatch.setattr(Learner, "train_step", fails_once)
+    assert learner_flow(cfg, "budget", max_steps=3, poll_s=0.05, idle_timeout_s=5.0) == 3
+    assert calls == [0, 1, 1, 2]  # the failed step 2 was retried once, by the rebuilt learner
+    assert store.count("policy_versions", "budget") == 3 and store.latest_version("budget")[0] == 3

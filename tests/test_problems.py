@@ -53,6 +53,27 @@ def test_bad_rows_are_rejected_with_line_numbers_and_good_rows_load(tmp_path):
     assert "50 tokens" in reasons["line 6"] and all(r.source == str(path) for r in loaded.rejected)
 
 
+def test_text_that_cannot_be_stored_lists_and_duplicate_ids_are_rejected_and_recorded(tmp_path, store):
+    path = tmp_path / "odd.jsonl"
+    lines = [
+        '{"query": "1+1", "ans_box": "2", "qid": 1}',
+        '{"query": "bad \\ud800 surrogate", "ans_box": "2", "qid": 2}',  # valid JSON, not valid Unicode
+        '{"query": "a \\u0000 NUL", "ans_box": "2", "qid": 3}',
+        '{"query": "2+2", "ans_box": ["4", "5"], "qid": 4}',
+        '{"query": "2+3", "ans_box": true, "qid": 5}',
+        '{"query": "1+1 again", "ans_box": "2", "qid": 1}',
+    ]
+    path.write_text("\n".join(lines))
+    loaded = load_problems(path)
+    assert [p.problem_id for p in loaded.problems] == ["1"]
+    reasons = {r.location: r.reason for r in loaded.rejected}
+    assert "not valid Unicode" in reasons["line 2"] and "NUL" in reasons["line 3"]
+    assert "'ans_box' must be text or a number, got list" == reasons["line 4"]
+    assert "got bool" in reasons["line 5"] and "duplicate problem id '1' (first at line 1)" == reasons["line 6"]
+    store.reject("r", loaded.rejected)  # every rejection, the surrogate's payload too, is storable
+    assert store.count("rejected_inputs", "r") == 5
+
+
 def test_rejections_are_recorded_in_the_store(tmp_path, store):
     path = tmp_path / "d.jsonl"
     path.write_text('{"query": "1+1", "ans_box": "2"}\n{"query": "1+2"}\n')

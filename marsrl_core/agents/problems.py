@@ -5,10 +5,13 @@ written by Hugging Face `datasets.save_to_disk` (its `.arrow` files are read wit
 `datasets` package is not needed). Field names are configurable; MarsRL's format (`query`,
 `ans_box`, `qid`, `source`) is the default.
 
-A bad row (invalid JSON, non-UTF-8 bytes, missing or empty question or answer, a prompt longer than
-the model's input limit) never stops a load: it becomes a `Rejection` with file and line number, the
-caller records it in the store's `rejected_inputs`, and the good rows load. A dataset with no good
-row at all is an error (`DatasetError`), as is a missing or unreadable file.
+A bad row never stops a load: invalid JSON, non-UTF-8 bytes, text that is not valid Unicode (a lone
+surrogate such as `"\ud800"`, which is valid JSON) or holds a NUL character, a missing or empty
+question or answer, a question or answer that is not text or a number (a list, an object, a bool), a
+problem id seen earlier in the file (the first row with it is kept), a prompt longer than the model's
+input limit. It becomes a `Rejection` with file and line number, the caller records it in the
+store's `rejected_inputs`, and the good rows load. A dataset with no good row at all is an error
+(`DatasetError`), as is a missing or unreadable file.
 """
 
 from __future__ import annotations
@@ -79,6 +82,18 @@ def _rows(path: Path) -> list[tuple[str, Any]]:
     return rows
 
 
+def _text_problem(fields: tuple[tuple[str, str], ...]) -> str | None:
+    """Why one of these texts cannot be stored or tokenized (a NUL, a lone surrogate), or None."""
+    for name, text in fields:
+        if "\x00" in text:
+            return f"{name!r} holds a NUL character"
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return f"{name!r} is not valid Unicode ({err.reason} at character {err.start})"
+    return None
+
+
 def load_problems(
     path: str | Path,
     *,
@@ -93,10 +108,12 @@ def load_problems(
     if not path.exists():
         raise DatasetError(f"dataset {str(path)!r}: no such file")
     result = LoadedProblems()
+    first_seen: dict[str, str] = {}  # problem id -> location of its first row
     for location, row in _rows(path):
 
         def reject(reason: str, location: str = location, row: Any = row) -> None:
-            result.rejected.append(Rejection(str(path), location, reason, str(row)[:500]))
+            payload = str(row)[:500].encode("utf-8", "backslashreplace").decode("utf-8")  # storable as text
+            result.rejected.append(Rejection(str(path), location, reason, payload))
 
         if isinstance(row, Exception):
             reject(str(row))
@@ -109,9 +126,20 @@ def load_problems(
             missing = [name for name, value in ((question_field, question), (answer_field, answer)) if value is None]
             reject(f"missing field(s) {', '.join(repr(m) for m in missing)}")
             continue
+        kinds = [
+            (name, type(value).__name__)
+            for name, value in ((question_field, question), (answer_field, answer))
+            if isinstance(value, bool) or not isinstance(value, (str, int, float))
+        ]
+        if kinds:
+            reject("; ".join(f"{name!r} must be text or a number, got {kind}" for name, kind in kinds))
+            continue
         question, answer = str(question).strip(), str(answer).strip()
         if not question or not answer:
             reject(f"empty {question_field!r}" if not question else f"empty {answer_field!r}")
+            continue
+        if problem := _text_problem(((question_field, question), (answer_field, answer))):
+            reject(problem)
             continue
         if count_tokens is not None and max_prompt_tokens is not None:
             length = count_tokens(question)
@@ -119,6 +147,10 @@ def load_problems(
                 reject(f"prompt has {length} tokens, over the input limit of {max_prompt_tokens}")
                 continue
         problem_id = str(row.get(id_field, location.split()[-1]))
+        if problem_id in first_seen:
+            reject(f"duplicate problem id {problem_id!r} (first at {first_seen[problem_id]})")
+            continue
+        first_seen[problem_id] = location
         result.problems.append(Problem(problem_id, question, answer, str(row.get("source", path.stem))))
     if not result.problems:
         reasons = "; ".join(f"{r.location}: {r.reason}" for r in result.rejected[:3])

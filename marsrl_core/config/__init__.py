@@ -9,7 +9,7 @@ Deliberate simplification: one config type for all flows; flows read only the se
 Invalid values raise `ConfigError`, whose message names the dotted field and the offending value.
 """
 
-from marsrl_core.config.loading import build_config, config_to_yaml, default_config, load_config
+from marsrl_core.config.loading import absolute_paths, build_config, config_to_yaml, default_config, load_config
 from marsrl_core.config.presets import PRESETS
 from marsrl_core.config.sections import (
     AGENTS,
@@ -42,6 +42,7 @@ __all__ = [
     "SFTConfig",
     "StoreConfig",
     "TrackingConfig",
+    "absolute_paths",
     "build_config",
     "config_to_yaml",
     "default_config",

@@ -90,3 +90,31 @@ def default_config() -> MarsRLConfig:
 def config_to_yaml(config: MarsRLConfig) -> str:
     """The config as YAML, loadable again with `load_config(yaml_path=...)`."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def absolute_paths(config: MarsRLConfig) -> MarsRLConfig:
+    """`config` with every local path resolved against the current folder: the output folder (and so
+    the checkpoint URIs a run records), a SQLite store and its data folder, a SQLite MLflow database,
+    the model and the datasets. A run records its config so; resumed from another folder it still
+    finds its checkpoints and files. Remote locations (postgres:, s3://, http://) stay as they are."""
+
+    def local(path: str | None) -> str | None:
+        return path if path is None or "://" in path else str(Path(path).resolve())
+
+    store, tracking = config.store, config.tracking
+    catalog = store.catalog_url
+    if catalog.startswith("sqlite:"):
+        catalog = "sqlite:" + local(catalog.removeprefix("sqlite:"))
+    uri = tracking.mlflow_tracking_uri
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = "sqlite:///" + local(uri.removeprefix("sqlite:///"))
+    return config.model_copy(
+        update={
+            "output_dir": local(config.output_dir),
+            "store": store.model_copy(update={"catalog_url": catalog, "data_path": local(store.data_path)}),
+            "tracking": tracking.model_copy(update={"mlflow_tracking_uri": uri}),
+            "model": config.model.model_copy(update={"path": local(config.model.path)}),
+            "data": config.data.model_copy(update={"train_dataset": local(config.data.train_dataset)}),
+            "evaluation": config.evaluation.model_copy(update={"dataset": local(config.evaluation.dataset)}),
+        }
+    )

@@ -3,7 +3,9 @@
 Synthetic problems (no `data.train_dataset`) come from a generator seeded by the run's seed and the
 batch index. A training file's good rows are dealt out in order, batch after batch, cycling when the
 file runs out; problem ids carry the batch (`b<b>-<row id>`), so a row used twice is two problems.
-The file is read once per process (every turn task of every batch slices it).
+The file is read once per process (every turn task of every batch slices it); rows whose question is
+longer than `model.max_prompt_tokens` (with the policy's tokenizer) are rejected there, as evaluation
+rows are.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 from marsrl_core.agents.problems import LoadedProblems, Problem, load_problems
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.demo.synthetic import make_problems
+from marsrl_core.runtime.policy import policy_folder
 from marsrl_core.store import Rejection
 
 
@@ -40,9 +43,21 @@ def training_rejections(cfg: MarsRLConfig) -> list[Rejection]:
 
 
 def training_set(cfg: MarsRLConfig) -> LoadedProblems:
-    return _load(cfg.data.train_dataset, cfg.data.question_field, cfg.data.answer_field)
+    """The training file's problems and bad rows (DatasetError when it has no good row)."""
+    data = cfg.data
+    folder = str(policy_folder(cfg))
+    return _load(data.train_dataset, data.question_field, data.answer_field, folder, cfg.model.max_prompt_tokens)
 
 
 @functools.lru_cache(maxsize=4)
-def _load(path: str, question_field: str, answer_field: str) -> LoadedProblems:
-    return load_problems(path, question_field=question_field, answer_field=answer_field)
+def _load(path: str, question_field: str, answer_field: str, tokenizer_folder: str, max_prompt_tokens: int):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    return load_problems(
+        path,
+        question_field=question_field,
+        answer_field=answer_field,
+        count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
+        max_prompt_tokens=max_prompt_tokens,
+    )

@@ -28,6 +28,7 @@ from marsrl_core.learn.checkpoint import checkpoint_root
 from marsrl_core.runtime.memory import MemoryTrimmer
 from marsrl_core.runtime.policy import make_engine, policy_folder
 from marsrl_core.store import SegmentStore, Store
+from marsrl_core.store.lease import LearnerLease
 from marsrl_core.store.process import StoreProcess
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class Runtime:
         self._engines: dict[tuple[str, str, str], BatchingEngine] = {}
         self._learners: dict[str, Learner] = {}
         self._trackers: dict[str, Tracker] = {}
+        self._leases: dict[str, LearnerLease] = {}
         self._interrupted: set[str] = set()
         self._trimmer: MemoryTrimmer | None = None
 
@@ -83,14 +85,23 @@ class Runtime:
                 self._trackers[run_id] = Tracker(cfg.tracking, run_id, cfg.model_dump(mode="json"))
             return self._trackers[run_id]
 
+    def lease(self, cfg: MarsRLConfig, run_id: str) -> None:
+        """Take the run's learner lease (`store.lease`) for this process, once; StoreError naming the
+        holder when another live process has it."""
+        with self._lock:
+            if run_id not in self._leases:
+                self._leases[run_id] = LearnerLease(cfg.store.catalog_url, run_id)
+
     def learner(self, cfg: MarsRLConfig, run_id: str) -> Learner:
-        """The run's learner, resumed from its last committed version when first built."""
+        """The run's learner (under the run's learner lease), resumed from its last committed version
+        when first built."""
         from transformers import AutoTokenizer
 
         from marsrl_core.learn.learner import Learner
 
         with self._lock:
             if run_id not in self._learners:
+                self.lease(cfg, run_id)
                 folder = policy_folder(cfg)
                 learner = Learner(
                     cfg,
@@ -131,12 +142,15 @@ class Runtime:
             self._interrupted.discard(run_id)
 
     def close(self) -> None:
-        """Close the stores (and their child processes) and forget the learners that use them; the next
-        call opens afresh."""
+        """Close the stores (and their child processes), forget the learners that use them and end their
+        leases; the next call opens afresh."""
         with self._lock:
             stores = list(self._stores.values())
             self._stores.clear()
             self._learners.clear()
+            for lease in self._leases.values():
+                lease.release()
+            self._leases.clear()
             for store in stores:
                 store.close()
 

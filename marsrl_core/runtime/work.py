@@ -2,8 +2,9 @@
 on this process's `Runtime`. They take the config and ids and return small results; what crosses from
 one to the next goes through the store.
 
+- `check_inputs(cfg)`: fail at once, with one line, on a dataset the run cannot use.
 - `start_run`, `resumed_config`: record a run; read back the config it was started with.
-- `record_batch(cfg, run_id, b)`: the problems of batch `b` (`rollout.batches`), stored.
+- `record_batch(cfg, run_id, b)`: the problems of batch `b` (`runtime.batches`), stored.
 - `rollout_turn(cfg, run_id, b, turn)`: decode turn `turn` of batch `b` to its end, unless the run is
   interrupted in this process first (`RolloutInterrupted` at a stage boundary).
 - `mark_batch_done(cfg, run_id, b)`: record that batch `b` has ended (a resumed run skips it).
@@ -22,15 +23,25 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from marsrl_core.agents.problems import DatasetError
 from marsrl_core.config import ConfigError, MarsRLConfig, build_config
 from marsrl_core.learn.checkpoint import agent_folders
 from marsrl_core.learn.groups import ready_groups as _ready_groups
-from marsrl_core.rollout.batches import batch_problems, training_rejections
 from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.runtime import events
+from marsrl_core.runtime.batches import batch_problems, training_rejections, training_set
 from marsrl_core.runtime.context import runtime
 from marsrl_core.runtime.policy import roles_from_config
 from marsrl_core.store import Store, TrainableGroup
+
+
+def check_inputs(cfg: MarsRLConfig) -> None:
+    """Raise DatasetError (naming the file) before any work starts when the training file is missing or
+    has no good row, or the benchmark file is missing; the training file is loaded (and kept) here."""
+    if cfg.data.train_dataset is not None:
+        training_set(cfg)
+    if cfg.evaluation.dataset is not None and not Path(cfg.evaluation.dataset).exists():
+        raise DatasetError(f"evaluation.dataset={cfg.evaluation.dataset!r}: no such file")
 
 
 def start_run(cfg: MarsRLConfig, run_id: str) -> None:
@@ -41,11 +52,12 @@ def start_run(cfg: MarsRLConfig, run_id: str) -> None:
 
 
 def resumed_config(cfg: MarsRLConfig, run_id: str) -> MarsRLConfig:
-    """The config a run was started with, read from the store that `cfg` points at (for --resume)."""
+    """The config a run was started with, read from the store that `cfg` points at (for --resume), with
+    that store kept: the one the user pointed at, wherever the run began."""
     stored = runtime().store(cfg).run_config(run_id)
     if stored is None:
         raise ConfigError(f"--resume {run_id!r}: no such run in the store {cfg.store.catalog_url!r}")
-    return build_config(stored)
+    return build_config({**stored, "store": cfg.store.model_dump(mode="json")})
 
 
 def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
