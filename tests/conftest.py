@@ -15,6 +15,10 @@ import tempfile
 import pytest
 
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="marsrl-tests-prefect-")
+# Prefect's console log handler binds the stderr of the moment Prefect is first imported. Imported here,
+# that is the session's stream; first imported inside a test that captures output (capsys), it would be
+# that test's stream, closed after it, and every later Prefect log line would fail.
+import prefect.main  # noqa: E402, F401
 
 from marsrl_core.store import SegmentStore  # noqa: E402  (after PREFECT_HOME: it may import Prefect's settings)
 from tests import worktree  # noqa: E402
