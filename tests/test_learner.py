@@ -30,6 +30,14 @@ def _cfg(tmp_path, **learner):
     return load_config("tiny", None, overrides)
 
 
+def _process_cfg(tmp_path, folder, **learner):
+    """`_cfg` for the process's runtime: starting from `folder`, outputs and MLflow under `tmp_path`."""
+    cfg = _cfg(tmp_path, **learner)
+    tracking = cfg.tracking.model_copy(update={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"})
+    model = cfg.model.model_copy(update={"path": str(folder)})
+    return cfg.model_copy(update={"output_dir": str(tmp_path / "out"), "model": model, "tracking": tracking})
+
+
 def _learner(cfg, store, folder, tmp_path, run=RUN, tracker=None):
     engine = HFEngine.from_pretrained(folder)
     return Learner(cfg, store, run, folder, tmp_path / f"ckpt-{run}", engine.tokenizer, tracker), engine
@@ -266,10 +274,7 @@ def test_a_step_that_fails_to_publish_is_not_trained_twice(folder, tmp_path, mon
     from marsrl_core.runtime import work
     from marsrl_core.runtime.context import runtime
 
-    cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=0)
-    cfg = cfg.model_copy(
-        update={"output_dir": str(tmp_path / "out"), "model": cfg.model.model_copy(update={"path": str(folder)})}
-    )
+    cfg = _process_cfg(tmp_path, folder, learning_rate=1e-3, warmup_steps=0)
     store = runtime().store(cfg)
     engine = HFEngine.from_pretrained(folder)
     sample_groups(engine, store, "pub", "solver", "S|2+2|", groups=4, size=4, reward_fn=digit_fraction)
@@ -290,14 +295,7 @@ def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, mo
     from marsrl_core.runtime import work
     from marsrl_core.runtime.context import runtime
 
-    cfg = _cfg(tmp_path, groups_per_step=1, downstream_groups_per_step=1)
-    cfg = cfg.model_copy(
-        update={
-            "output_dir": str(tmp_path / "out"),
-            "model": cfg.model.model_copy(update={"path": str(folder)}),
-            "tracking": cfg.tracking.model_copy(update={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}),
-        }
-    )
+    cfg = _process_cfg(tmp_path, folder, groups_per_step=1, downstream_groups_per_step=1)
     store = runtime().store(cfg)
     engine = HFEngine.from_pretrained(folder)
     groups = sample_groups(engine, store, "poll", "solver", "S|3+4|", groups=2, size=4, reward_fn=digit_fraction)
@@ -324,13 +322,8 @@ def test_the_learner_flow_keeps_its_step_budget_when_a_step_fails_and_is_retried
     from flows.learner import learner_flow
     from marsrl_core.runtime.context import runtime
 
-    cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=0, groups_per_step=1, downstream_groups_per_step=1)
-    cfg = cfg.model_copy(
-        update={
-            "output_dir": str(tmp_path / "out"),
-            "model": cfg.model.model_copy(update={"path": str(folder)}),
-            "tracking": cfg.tracking.model_copy(update={"mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}),
-        }
+    cfg = _process_cfg(
+        tmp_path, folder, learning_rate=1e-3, warmup_steps=0, groups_per_step=1, downstream_groups_per_step=1
     )
     store = runtime().store(cfg)
     engine = HFEngine.from_pretrained(folder)
