@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from marsrl_core import cli as core_cli
-from marsrl_core.config import ConfigError
+from marsrl_core.config import ConfigError, absolute_paths
 from marsrl_core.runtime.report import print_report, train_summary
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from flows.server import local_server
     from flows.train import train_flow
     from marsrl_core.runtime import work
     from marsrl_core.runtime.context import runtime
@@ -33,11 +34,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         cfg = work.resumed_config(cfg, args.resume)  # the stored config, so the run continues as it began
         core_cli.console.print(f"resuming run [bold]{args.resume}[/bold]")
+    cfg = absolute_paths(cfg)  # as the flows record them: a learner built here writes the same checkpoint URIs
     work.check_inputs(cfg)  # one line and exit 2 on a bad dataset, before Prefect starts
-    if args.resume or args.run_id:  # one learner per run: refused here, in one line, if the run has one
+    if args.resume and runtime().store(cfg).latest_version(args.resume) is not None:
+        # its last checkpoint is loaded now, before Prefect starts: a bad one is one line, not a flow's traceback
+        runtime().learner(cfg, args.resume)
+    elif args.resume or args.run_id:  # one learner per run: refused here, in one line, if the run has one
         runtime().lease(cfg, args.resume or args.run_id)
     start = time.perf_counter()
-    result = train_flow(cfg, args.resume or args.run_id)
+    with local_server():
+        result = train_flow(cfg, args.resume or args.run_id)
     reports = {label: result[label] for label in ("before", "after") if label in result}
     finished = result.get("already_finished", False)
     if finished:
@@ -63,6 +69,7 @@ ABLATIONS = {
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
+    from flows.server import local_server
     from flows.train import train_flow
     from marsrl_core.config import load_config
 
@@ -74,7 +81,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         cfg = load_config(args.preset, args.config_file, [*args.overrides, *ABLATIONS[name], f"run_name=ablate-{name}"])
         core_cli.console.rule(f"ablation: {name}")
         start = time.perf_counter()
-        result = train_flow(cfg)
+        with local_server():
+            result = train_flow(cfg)
         figures[name] = train_summary(result, cfg.seed, time.perf_counter() - start)
         if "before" in result and not reports:
             reports["start"] = result["before"]  # the same starting policy for every variant
@@ -91,19 +99,23 @@ def _write_json(path: Path, figures: dict) -> None:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
+    from flows.server import local_server
     from flows.sft import sft_flow
 
-    core_cli.console.print(f"warm start: {sft_flow(core_cli._config(args))}")
+    with local_server():
+        core_cli.console.print(f"warm start: {sft_flow(core_cli._config(args))}")
     return 0
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     from flows.rollout import rollouts_flow
+    from flows.server import local_server
     from marsrl_core.runtime import events
     from marsrl_core.runtime.context import runtime
 
     cfg = core_cli._config(args)
-    rollouts_flow(cfg, args.run_id, args.batches or None, finish=args.finish)
+    with local_server():
+        rollouts_flow(cfg, args.run_id, args.batches or None, finish=args.finish)
     store = runtime().store(cfg)
     store.mark(args.run_id, events.STORE_LOCK_RETRIES, f"rollout:{store.lock_retries}")
     return 0
@@ -111,12 +123,16 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 def cmd_learn(args: argparse.Namespace) -> int:
     from flows.learner import learner_flow
+    from flows.server import local_server
     from marsrl_core.runtime import events
     from marsrl_core.runtime.context import runtime
 
-    cfg = core_cli._config(args)
-    runtime().lease(cfg, args.run_id)  # one learner per run: refused here, in one line, if the run has one
-    steps = learner_flow(cfg, args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
+    cfg = absolute_paths(core_cli._config(args))  # as the learner flow records them
+    # Built before Prefect starts (under the run's one-learner lease, from its last checkpoint): a second
+    # learner of the run or a bad checkpoint is one line, not a flow's traceback.
+    runtime().learner(cfg, args.run_id)
+    with local_server():
+        steps = learner_flow(cfg, args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
     store = runtime().store(cfg)
     store.mark(args.run_id, events.STORE_LOCK_RETRIES, f"learner:{store.lock_retries}")
     core_cli.console.print(f"learner stopped after step {steps}")

@@ -10,6 +10,9 @@ they get a defined reward (0) and are counted in the store (`rewards_per_agent.u
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ from marsrl_core.config import load_config
 from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.store import SegmentStore
-from tests.configs import set_args
+from tests.configs import process_config_file, set_args
 from tests.scripted import ScriptedEngine
 
 GOOD = json.dumps({"query": "1+2", "ans_box": "3"})
@@ -186,3 +189,22 @@ def test_marsrl_train_refuses_an_unusable_training_file_before_any_work(tmp_path
     assert str(data) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert ("no such file" if content is None else "no usable problems") in err
     assert not (tmp_path / "lake.sqlite").exists()  # no store opened, no run recorded, nothing evaluated
+
+
+@pytest.mark.slow
+def test_a_resume_from_a_corrupt_checkpoint_fails_in_one_line_naming_the_file(tmp_path):
+    """A run's last committed checkpoint cut short: `marsrl train --resume` exits 2 with one line that
+    names the file, before any flow starts (no traceback)."""
+    path = process_config_file(
+        tmp_path, "corrupt", learner={"max_steps": 1}, evaluation={"num_problems": 2, "k": 1}, sft={"enabled": False}
+    )
+    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / "prefect")}
+    marsrl = [sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--results", ""]
+    first = subprocess.run([*marsrl, "--run-id", "c"], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    (weights,) = (tmp_path / "out").rglob("v1/policy/model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:1000])
+    resumed = subprocess.run([*marsrl, "--resume", "c"], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 2, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    errors = [line for line in resumed.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and str(weights) in errors[0], resumed.stderr

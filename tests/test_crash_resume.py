@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -235,3 +236,77 @@ def test_sigterm_stops_train_at_the_next_stage_and_a_resume_continues_the_unfini
         assert all(store.has_event("stopped", f"batch_done:{b}") for b in range(2))
     finally:
         store.close()
+
+
+@pytest.mark.slow
+def test_train_goes_on_when_its_store_process_dies_again_and_again(tmp_path):
+    """Every store child `marsrl train` starts is SIGKILLed at its 15th call (the `store.call` crash
+    point): reads and marks are sent again to a new child, the other writes fail their task, whose
+    retry reads what is stored first. The run reaches its budget, each sample trained at most once."""
+    steps = 6
+    path = process_config_file(
+        tmp_path,
+        "flaky",
+        data={"num_batches": 12},
+        learner={"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": steps, "max_staleness": None},
+        evaluation={"num_problems": 2, "k": 1, "max_rounds": 1},
+        sft={"enabled": False},
+    )
+    env = {
+        **os.environ,
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "MARSRL_CRASH_AT": "store.call:15",
+    }
+    marsrl = [sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--run-id", "flaky", "--results", ""]
+    run = subprocess.run(marsrl, env=env, capture_output=True, text=True, timeout=600)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    assert output.count("again to a new one") >= 3, output[-4000:]  # replayed reads and marks
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data", create=False)
+    try:
+        versions = store.query("SELECT version FROM policy_versions WHERE run_id = 'flaky' ORDER BY 1")
+        assert versions.column("version").to_pylist() == list(range(1, steps + 1))
+        twice = "SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)"
+        assert store.query(twice).column("n")[0].as_py() == 0
+        assert store.evaluation("flaky", "before") is not None and store.evaluation("flaky", "after") is not None
+    finally:
+        store.close()
+
+
+def test_no_child_of_train_outlives_it_when_only_it_is_killed(tmp_path):
+    """SIGKILL of `marsrl train`'s own process alone (as the OOM killer does): its local Prefect server
+    and its store process end too (nothing is left behind to hold ports, files or memory)."""
+    import psutil
+
+    path = process_config_file(
+        tmp_path, "orphans", learner={"max_steps": 1000}, evaluation={"num_problems": 2, "k": 1}, sft={"enabled": False}
+    )
+    env = {**os.environ, "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    marsrl = [sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--run-id", "orphans", "--results", ""]
+    log = tmp_path / "train.log"
+    process = subprocess.Popen(marsrl, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    main = psutil.Process(process.pid)
+
+    def prefect_server() -> bool:
+        return any(re.search(r"prefect[ .]server", " ".join(c.cmdline())) for c in main.children(recursive=True))
+
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "data").exists() or not prefect_server():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(2.0)  # into the run: the store process serves, the before evaluation decodes
+        children = main.children(recursive=True)
+        commands = [" ".join(c.cmdline()) for c in children]
+        assert any("marsrl_core.store.process" in c for c in commands), commands
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+        gone, alive = psutil.wait_procs(children, timeout=60)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -341,3 +341,42 @@ def test_the_learner_flow_keeps_its_step_budget_when_a_step_fails_and_is_retried
     assert learner_flow(cfg, "budget", max_steps=3, poll_s=0.05, idle_timeout_s=5.0) == 3
     assert calls == [0, 1, 1, 2]  # the failed step 2 was retried once, by the rebuilt learner
     assert store.count("policy_versions", "budget") == 3 and store.latest_version("budget")[0] == 3
+
+
+def test_a_non_finite_gradient_skips_the_update_and_publishes_the_weights_as_they_were(folder, tmp_path):
+    cfg = _cfg(tmp_path, learning_rate=1e-2, warmup_steps=0)
+    store = SegmentStore.from_config(cfg.store)
+    learner, engine = _learner(cfg, store, folder, tmp_path)
+    model = learner.model_for("solver")
+    before = _params(model)
+    hook = next(model.parameters()).register_hook(lambda grad: grad * float("inf"))
+    groups = sample_groups(engine, store, RUN, "solver", "S|", groups=2, size=4, reward_fn=digit_fraction)
+    report = learner.train_step(groups)
+    hook.remove()
+    assert report.metrics["solver"]["skipped_nonfinite"] == 1.0 and not np.isfinite(
+        report.metrics["solver"]["grad_norm"]
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert store.latest_version(RUN)[0] == 1 and store.trainable_groups(RUN, "solver") == []  # consumed
+    report = learner.train_step(
+        sample_groups(engine, store, RUN, "solver", "S|", groups=2, size=4, seed=1, reward_fn=digit_fraction)
+    )
+    assert report.metrics["solver"]["skipped_nonfinite"] == 0.0
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_update_that_makes_a_parameter_non_finite_is_never_published(folder, tmp_path):
+    """An optimizer step that overflows a parameter (torch refuses a learning rate past float32's range,
+    so a post-step hook stands in for the overflow) fails the step before anything is written."""
+    from marsrl_core.learn.learner import LearnerError
+
+    cfg = _cfg(tmp_path)
+    store = SegmentStore.from_config(cfg.store)
+    learner, engine = _learner(cfg, store, folder, tmp_path)
+    param = next(learner.model_for("solver").parameters())
+    learner.optimizers["policy"].register_step_post_hook(lambda *_: param.data.view(-1)[0].fill_(float("inf")))
+    groups = sample_groups(engine, store, RUN, "solver", "S|", groups=2, size=4, reward_fn=digit_fraction)
+    with pytest.raises(LearnerError, match=r"learner step 1: the update made policy's parameter \S+ non-finite"):
+        learner.train_step(groups)
+    assert store.latest_version(RUN) is None and len(store.trainable_groups(RUN, "solver")) == 2
+    assert not (tmp_path / f"ckpt-{RUN}").exists() or not any((tmp_path / f"ckpt-{RUN}").iterdir())

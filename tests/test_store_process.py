@@ -94,13 +94,58 @@ def test_the_child_is_replaced_once_it_has_grown_past_its_budget_and_nothing_is_
     store.close()
 
 
-def test_a_child_that_dies_fails_its_call_and_the_next_call_gets_a_new_one(served):
+def test_a_child_that_died_between_calls_is_replaced_before_the_next_call(served):
     _write_group(served, "g1")
     dead = served.pid
     os.kill(dead, signal.SIGKILL)
-    with pytest.raises(StoreError, match=rf"store process {dead} .* ended during count\(\)"):
-        served.count("samples", RUN)
-    assert served.count("samples", RUN) == 3 and served.pid != dead
+    psutil.Process(dead).wait(timeout=10)
+    _write_group(served, "g2")  # a write, which is never sent twice: it reaches a new child
+    assert served.count("samples", RUN) == 6 and served.pid != dead and served.restarted == 1
+
+
+def _crashing_child(store_paths, monkeypatch, nth: int) -> StoreProcess:
+    """A served store whose children each die (SIGKILL) at their `nth` call (the `store.call` point)."""
+    monkeypatch.setenv("MARSRL_CRASH_AT", f"store.call:{nth}")
+    return StoreProcess(*store_paths)
+
+
+def test_a_read_or_mark_whose_child_dies_during_it_is_sent_again_to_a_new_child(store_paths, monkeypatch):
+    served = _crashing_child(store_paths, monkeypatch, 2)
+    try:
+        _write_group(served, "g1")  # the first child's first call
+        first = served.pid
+        assert served.count("samples", RUN) == 3  # its second: it dies, and a new child answers
+        assert served.restarted == 1 and served.pid != first
+        served.mark(RUN, "e")  # the new child's first call was the replayed count: each call now dies once
+        assert served.has_event(RUN, "e") and served.restarted == 3
+        assert served.query("SELECT count(*) AS n FROM run_events").column("n")[0].as_py() == 1
+    finally:
+        served.close()
+
+
+def test_a_write_whose_child_dies_during_it_fails_and_a_retry_reaches_a_new_child(store_paths, monkeypatch):
+    served = _crashing_child(store_paths, monkeypatch, 2)
+    try:
+        _write_group(served, "g1")
+        dead = served.pid
+        with pytest.raises(StoreError, match=rf"store process {dead} .* ended during append\(\).* may or may not"):
+            _write_group(served, "g2")
+        _write_group(served, "g2")  # what a retried task does
+        assert served.count("samples", RUN) == 6 and served.pid != dead
+    finally:
+        served.close()
+
+
+def test_repeated_run_and_evaluation_records_write_nothing_twice(store_paths):
+    store = SegmentStore(*store_paths)
+    try:
+        for _ in range(2):
+            store.create_run(RUN, {"seed": 1})
+            store.record_evaluation(RUN, "before", "d", {"acc": 0.5})
+        store.record_evaluation(RUN, "before", "d", {"acc": 0.75})  # a different evaluation is recorded
+        assert store.count("runs") == 1 and store.count("evaluations") == 2
+    finally:
+        store.close()
 
 
 def test_threads_sharing_a_served_store_each_get_their_own_answers(served):

@@ -6,8 +6,11 @@ One `train_step(groups)`:
    zero reward variance;
 3. per agent, runs the policy over micro-batches packed to `micro_batch_tokens`, computes log-probs
    and entropy in chunks (`logprob_chunk_tokens`), the PPO-clip loss against the behaviour log-probs,
-   and back-propagates; a non-finite loss skips the optimizer step and is recorded;
-4. clips gradients and steps the optimizer of each policy that received gradients;
+   and back-propagates;
+4. clips gradients and steps the optimizer of each policy that received gradients. A non-finite loss
+   or gradient norm skips the whole update (`skipped_nonfinite`): its samples are consumed and its
+   version holds the weights as they were. An update that makes a parameter non-finite fails the step
+   (`LearnerError`), which is never published;
 5. publishes version `step`: the checkpoint is written (temporary folder, then renamed), then the
    consumptions, the version row and the metrics commit in one store transaction.
 
@@ -48,6 +51,10 @@ from marsrl_core.learn.checkpoint import (
 )
 from marsrl_core.runtime.faults import crash_point
 from marsrl_core.store import SegmentStore, StoredSample, TrainableGroup
+
+
+class LearnerError(RuntimeError):
+    """A learner step that must not be published (its update made a parameter non-finite)."""
 
 
 @dataclass
@@ -166,19 +173,24 @@ class Learner:
             nonfinite |= not math.isfinite(agent_metrics["loss"])
             metrics[agent] = agent_metrics
         trained = {self.policy_name(a) for a in per_agent}
-        if nonfinite:
+        norms = {}
+        if not nonfinite:
+            for name in trained:
+                norms[name] = float(
+                    torch.nn.utils.clip_grad_norm_(self.models[name].parameters(), self.cfg.learner.max_grad_norm)
+                )
+                for agent in per_agent:
+                    if self.policy_name(agent) == name:
+                        metrics[agent]["grad_norm"] = norms[name]
+            nonfinite = not all(math.isfinite(norm) for norm in norms.values())
+        if nonfinite:  # no update at all: the step's samples are consumed, its version the weights as they were
             for opt in self.optimizers.values():
                 opt.zero_grad(set_to_none=True)
         else:
             for name in trained:
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.models[name].parameters(), self.cfg.learner.max_grad_norm
-                )
-                for agent in per_agent:
-                    if self.policy_name(agent) == name:
-                        metrics[agent]["grad_norm"] = float(grad_norm)
                 self.optimizers[name].step()
                 self.schedulers[name].step()
+                self._check_finite(name)
         self.step += 1
         elapsed = time.perf_counter() - start
         for agent, s in stats.items():
@@ -276,6 +288,16 @@ class Learner:
             )
             rows.append(lp)
         return pad_sequence(rows, batch_first=True)
+
+    def _check_finite(self, name: str) -> None:
+        """After an update: a non-finite parameter fails the step, which is never published (the task's
+        retry rebuilds the learner from the last committed version)."""
+        for param_name, param in self.models[name].named_parameters():
+            if not torch.isfinite(param).all():
+                raise LearnerError(
+                    f"learner step {self.step + 1}: the update made {name}'s parameter {param_name} non-finite "
+                    f"(learning rate {self.optimizers[name].param_groups[0]['lr']:g}); nothing was published"
+                )
 
     # ------------------------------------------------------------------ publishing
     def publish(

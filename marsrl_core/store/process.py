@@ -19,15 +19,24 @@ MB). Once the child has grown `recycle_after_mb` past the baseline, it is told t
 calls and a replacement is started at once, so it imports and attaches while the caller works (about
 half a second), and the next call usually finds it ready.
 
+A child that has died between calls (the OOM killer's choice, say) is replaced before the next call
+is sent. A child that dies during a call is replaced too, and the call is sent again to the new one
+when repeating it cannot write anything twice (`REPLAYED`: the reads, the maintenance calls, and the
+writes that skip what is already stored: `mark`, whose events are only ever asked about by presence,
+`create_run` and `record_evaluation`). The other writes (`append`, `commit_step`, `add_problems`,
+`reject`) may or may not have committed, as when a process is killed: they fail with `StoreError`,
+and the Prefect tasks that make them retry, reading what is stored first (a rollout turn resumes
+from its stored segments, a learner step is rebuilt from the last committed version).
+
 Deliberate simplifications: calls are serialized by one lock, as they were on the one in-process
-connection (a retry's backoff in the child now also holds the caller's other threads); a child that
-dies during a call fails that call with `StoreError` (a write may or may not have committed, as when
-a process is killed) and the next call starts a new child; arguments and results travel pickled; a
-child whose parent dies finishes its current call, then exits.
+connection (a retry's backoff in the child now also holds the caller's other threads); a call is
+sent again once, not in a loop; arguments and results travel pickled; a child whose parent dies
+finishes its current call, then exits.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -40,12 +49,16 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from marsrl_core.runtime.faults import crash_point
 from marsrl_core.store.protocol import store_calls
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.segment_store import SegmentStore
 
 _OPEN, _CLOSE = "__open__", "__close__"
+log = logging.getLogger(__name__)
 FORWARDED = store_calls()
+WRITES_NOT_REPLAYED = frozenset({"append", "commit_step", "add_problems", "reject"})
+REPLAYED = FORWARDED - WRITES_NOT_REPLAYED  # sent again to a new child when theirs died during the call
 
 
 def resident_kb() -> int:
@@ -75,6 +88,7 @@ class StoreProcess:
         self.recycle_after_mb = recycle_after_mb
         self.warmup_calls = warmup_calls
         self.recycled = 0  # children closed for having grown past the budget
+        self.restarted = 0  # children replaced for having died
         self._store_kwargs = {
             "catalog_url": catalog_url,
             "data_path": data_path,
@@ -172,10 +186,9 @@ class StoreProcess:
         except (EOFError, OSError):
             pid = self._child.pid
             self._stop(None)
-            raise StoreError(
+            raise _ChildEnded(
                 f"store process {pid} for catalog {self.catalog_url!r} ended during {method}() "
-                f"(exit status {self._last_status}); a write in it may or may not have committed; "
-                "the next call starts a new one"
+                f"(exit status {self._last_status})"
             ) from None
         except BaseException:
             self._stop(None, kill=True)
@@ -206,11 +219,19 @@ class StoreProcess:
         with self._lock:
             if self._closed:
                 raise StoreError(f"catalog {self.catalog_url!r}: {method}() on a closed store")
-            if self._child is None:
-                self._start()
-            if self._opening:
-                self._finish_opening()
-            status, value, self._child_lock_retries, child_kb = self._exchange(method, args, kwargs)
+            if self._child is not None and self._child.poll() is not None:  # died between calls
+                log.warning("store process %d ended (exit status %s); starting a new one", *self._reap())
+                self.restarted += 1
+            try:
+                status, value, self._child_lock_retries, child_kb = self._send(method, args, kwargs)
+            except _ChildEnded as ended:
+                self.restarted += 1
+                if method not in REPLAYED:
+                    raise StoreError(
+                        f"{ended}; a write in it may or may not have committed; the next call starts a new one"
+                    ) from None
+                log.warning("%s; sending %s() again to a new one", ended, method)
+                status, value, self._child_lock_retries, child_kb = self._send(method, args, kwargs)
             self._calls += 1
             if self._calls == self.warmup_calls:
                 self._baseline_kb = child_kb
@@ -219,6 +240,20 @@ class StoreProcess:
             if status == "error":
                 raise value
             return value
+
+    def _reap(self) -> tuple[int, int | None]:
+        """End a child that died between calls; its (pid, exit status)."""
+        pid = self._child.pid
+        self._stop(None)
+        return pid, self._last_status
+
+    def _send(self, method: str, args: tuple, kwargs: dict) -> tuple[str, Any, int, int]:
+        """Send one call to the child (started first if there is none) and read its reply."""
+        if self._child is None:
+            self._start()
+        if self._opening:
+            self._finish_opening()
+        return self._exchange(method, args, kwargs)
 
     def _recycle(self) -> None:
         """Replace the child between calls; the call that triggered it has its answer already, so a
@@ -230,6 +265,10 @@ class StoreProcess:
         except StoreError:
             if self._child is not None:
                 self._stop(None)
+
+
+class _ChildEnded(StoreError):
+    """The child ended before it answered (`_call` decides whether the call is sent again)."""
 
 
 # ---------------------------------------------------------------------- the child
@@ -264,6 +303,7 @@ def serve(conn: Connection) -> None:
             elif store is None:
                 raise StoreError(f"{method}() before the store process opened its store")
             else:
+                crash_point("store.call")
                 result = getattr(store, method)(*args, **kwargs)
             reply = ("ok", result)
         except Exception as err:

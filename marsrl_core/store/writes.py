@@ -46,10 +46,12 @@ class StoreWrites(StoreConnection):
         self._known_samples: set[tuple[str, str]] = set()  # (run_id, sample_id) seen in the store
 
     def create_run(self, run_id: str, config: dict[str, Any]) -> None:
+        """Record a run and its config; a run already recorded keeps its row (so a repeated call writes
+        nothing twice)."""
         batch = pa.table(
             {"run_id": [run_id], "config_json": [json.dumps(config, default=str)]}, schema=ARROW_SCHEMAS["runs"]
         )
-        self._transaction(lambda c: self._insert(c, "runs", batch))
+        self._transaction(lambda c: self._insert_absent(c, "runs", batch, "run_id = ?", [run_id]))
 
     def add_problems(self, run_id: str, problems: Iterable[Any]) -> int:
         """Record problems (objects with problem_id, prompt, answer, source)."""
@@ -70,12 +72,17 @@ class StoreWrites(StoreConnection):
         return len(rows)
 
     def record_evaluation(self, run_id: str, label: str, dataset: str, metrics: dict[str, Any]) -> None:
-        """Append one evaluation's metrics (e.g. label 'before' / 'after')."""
+        """Append one evaluation's metrics (e.g. label 'before' / 'after'); the same row already recorded
+        is not written again (so a repeated call writes nothing twice)."""
+        metrics_json = json.dumps(metrics)
         batch = pa.table(
-            {"run_id": [run_id], "label": [label], "dataset": [dataset], "metrics_json": [json.dumps(metrics)]},
+            {"run_id": [run_id], "label": [label], "dataset": [dataset], "metrics_json": [metrics_json]},
             schema=ARROW_SCHEMAS["evaluations"],
         )
-        self._transaction(lambda c: self._insert(c, "evaluations", batch))
+        same = "run_id = ? AND label = ? AND dataset = ? AND metrics_json = ?"
+        self._transaction(
+            lambda c: self._insert_absent(c, "evaluations", batch, same, [run_id, label, dataset, metrics_json])
+        )
 
     def mark(self, run_id: str, event: str, detail: str = "") -> None:
         """Record a run event (e.g. 'rollouts_finished'), visible to every process."""
@@ -204,6 +211,13 @@ class StoreWrites(StoreConnection):
                 self._insert(con, "train_steps", steps)
 
         self._transaction(body)
+
+    def _insert_absent(
+        self, con: duckdb.DuckDBPyConnection, table: str, batch: pa.Table, where: str, params: list[Any]
+    ) -> None:
+        """Insert `batch` unless `table` has a row matching `where` (inside the caller's transaction)."""
+        if con.execute(f"SELECT count(*) FROM {CATALOG}.{table} WHERE {where}", params).fetchone()[0] == 0:
+            self._insert(con, table, batch)
 
     def _remember(self, run_id: str, sample_ids: Iterable[str]) -> None:
         """Cache sample ids known to exist; the cache is dropped when full (a miss costs one query), so a
