@@ -59,6 +59,7 @@ def run_seed(seed: int, extra: list[str] | None = None) -> dict[str, float]:
         start = time.perf_counter()
         result = train_flow(learning_config(tmp, seed, extra))
         row = {"seed": seed, "learner_steps": result["learner_steps"], "wall_clock_s": time.perf_counter() - start}
+        row["stale_drop_fraction"] = result["samples"]["stale_drop_fraction"]
         for name, key in MEASURES.items():
             row[f"{name}_before"], row[f"{name}_after"] = result["before"][key], result["after"][key]
         return row
@@ -107,7 +108,7 @@ def main() -> None:
     summary = summarise(runs)
     print_rows(
         "the learning run, per seed",
-        ["seed", "Solver before", "Solver after", "Verifier before", "Verifier after", "wall-clock s"],
+        ["seed", "Solver before", "Solver after", "Verifier before", "Verifier after", "stale dropped", "wall-clock s"],
         [
             [
                 r["seed"],
@@ -115,6 +116,7 @@ def main() -> None:
                 r["solver_after"],
                 r["verifier_before"],
                 r["verifier_after"],
+                r["stale_drop_fraction"],
                 r["wall_clock_s"],
             ]
             for r in runs
@@ -145,7 +147,11 @@ def main() -> None:
         ],
     )
     name = args.name or ("learning_spread_variant" if args.overrides or args.first_seed else "learning_spread")
-    path = write_results(name, {"seeds": len(runs), "overrides": args.overrides, "runs": runs, **summary})
+    drops = [r["stale_drop_fraction"] for r in runs]
+    stale = {"mean": statistics.mean(drops), "sd": statistics.stdev(drops)}
+    print(f"samples dropped untrained (stale or masked) over those consumed: {stale['mean']:.3f} ± {stale['sd']:.3f}")
+    results = {"seeds": len(runs), "overrides": args.overrides, "runs": runs, **summary, "stale_drop_fraction": stale}
+    path = write_results(name, results)
     print(f"figures written to {path}")
 
 

@@ -18,6 +18,8 @@ finished and those the learner dropped untrained as older than `learner.max_stal
 Run: `python benchmarks/pipeline_bench.py` (`--repeats 3` by default; `--set KEY=VALUE` overrides both
 variants, and the results then go to pipeline_variant.json). Writes benchmarks/results/pipeline.json
 with cpu_speedup (synchronous over pipelined wall-clock to `cpu_steps` learner steps),
+stale_drop_fraction (the pipelined runs' median of samples dropped untrained, as stale or masked, over
+those the learner consumed: `work.sample_accounting`),
 cpu_speedup_each_run, cpu_trained_samples_per_s_ratio, the per-variant figures,
 sim_speedup_paper_scale and the sweeps.
 """
@@ -78,6 +80,7 @@ def flow_run(root: Path, synchronous: bool, repeat: int, overrides: tuple[str, .
         "trained_samples": trained,
         "trained_samples_per_s": trained / wall,
         "dropped_stale_samples": one("SELECT count(*) FROM consumptions WHERE run_id = ? AND learner_step < 0"),
+        "stale_drop_fraction": result["samples"]["stale_drop_fraction"],
     }
     store.close()
     return figures
@@ -119,6 +122,7 @@ def main() -> None:
         "finished_samples",
         "trained_samples",
         "dropped_stale_samples",
+        "stale_drop_fraction",
     ]
     print_rows(
         f"the train flow (make train's configuration), wall-clock to {pipe['steps']} learner steps",
@@ -165,6 +169,7 @@ def main() -> None:
             "overrides": list(overrides),
             "loop": "flows.train.train_flow (pipelined) vs the same with rollout.synchronous=true",
             "cpu_speedup": cpu_speedup,
+            "stale_drop_fraction": statistics.median(r["stale_drop_fraction"] for r in runs["pipe"]),
             "cpu_steps": pipe["steps"],
             "cpu_repeats": args.repeats,
             "cpu_speedup_each_run": each,

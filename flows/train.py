@@ -91,6 +91,7 @@ def train_flow(
                 rt.interrupt(run_id)
                 raise
     result["train_wall_clock_s"] = time.perf_counter() - start
+    result["samples"] = work.sample_accounting(config, run_id)
     work.log_reward_curves(config, run_id)
     if evaluate_after and steps:
         latest = store.latest_version(run_id)

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from marsrl_core.learn.algorithms import chunked_logprobs, group_advantages, naive_logprobs, policy_loss
+from marsrl_core.learn.algorithms import (
+    chunked_logprobs,
+    group_advantages,
+    importance_weights,
+    naive_logprobs,
+    policy_loss,
+)
 
 
 def test_group_advantages_by_hand():
@@ -64,6 +70,65 @@ def test_truncated_importance_sampling_caps_stale_tokens():
     expected = -(w * advantages[:, None] * mask).sum() / mask.sum()
     assert float(out.loss) == pytest.approx(float(expected), abs=1e-5)
     assert float(w[0, 0]) == 2.0
+
+
+def test_importance_weights_per_token_or_sequence_truncated_or_masked():
+    # log(pi_prox / pi_behaviour): sequence 0 has ratios 3 and 0.5 (product 1.5), sequence 1 ratios 1.5
+    # and 2 (product 3) with its second token padding (its value must not count).
+    log_ratio = torch.tensor([[math.log(3.0), math.log(0.5)], [math.log(1.5), math.log(2.0)]])
+    mask = torch.tensor([[True, True], [True, False]])
+    w = importance_weights(log_ratio, mask, 2.0, "token_truncate")
+    assert w[mask].tolist() == pytest.approx([2.0, 0.5, 1.5])
+    w = importance_weights(log_ratio, mask, 2.0, "token_mask")
+    assert w[mask].tolist() == pytest.approx([0.0, 0.5, 1.5])
+    w = importance_weights(log_ratio, mask, 2.0, "sequence_truncate")
+    assert w[mask].tolist() == pytest.approx([1.5, 1.5, 1.5])  # sequence 1: 1.5 alone, padding left out
+    w = importance_weights(log_ratio, mask, 1.2, "sequence_mask")
+    assert w[mask].tolist() == pytest.approx([0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="tis_mode='sequence'"):
+        importance_weights(log_ratio, mask, 2.0, "sequence")
+
+
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage_with_a_large_ratio():
+    behaviour = torch.tensor([[-3.0, -1.0]])
+    logprobs = (behaviour + torch.tensor([[5.0, 1.1]]).log()).requires_grad_(True)  # ratios 5 and 1.1
+    advantages, mask = torch.tensor([-1.0]), torch.ones(1, 2)
+    plain = policy_loss(logprobs, behaviour, advantages, mask)
+    assert float(plain.loss) == pytest.approx((5.0 + 1.1) / 2, abs=1e-5)  # -min(-r, -clip(r)) = r
+    out = policy_loss(logprobs, behaviour, advantages, mask, clip_ratio_c=3.0)
+    assert float(out.loss) == pytest.approx((3.0 + 1.1) / 2, abs=1e-5)  # the first token's loss is -A * c
+    assert out.dual_clip_fraction == 0.5
+    out.loss.backward()
+    assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] != 0
+    positive = policy_loss(logprobs, behaviour, torch.tensor([1.0]), mask, clip_ratio_c=3.0)
+    assert positive.dual_clip_fraction == 0.0  # a positive advantage is never dual-clipped
+
+
+def test_an_overflowing_log_ratio_or_nan_in_padding_keeps_the_loss_and_gradient_finite():
+    behaviour = torch.tensor([[-1000.0, -1.0, float("nan")]])  # a token 1000 nats likelier now; padding NaN
+    logprobs = torch.tensor([[-0.1, -1.0, float("nan")]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0]])
+    out = policy_loss(logprobs, behaviour, torch.tensor([-1.0]), mask)
+    assert math.isfinite(float(out.loss)) and math.isfinite(out.ratio_max)
+    out.loss.backward()
+    assert torch.isfinite(logprobs.grad).all()
+    decoupled = policy_loss(logprobs, behaviour, torch.tensor([-1.0]), mask, tis_cap=2.0, tis_mode="sequence_truncate")
+    assert math.isfinite(float(decoupled.loss))
+
+
+def test_decoupled_rows_use_the_proximal_ratio_and_a_capped_weight_while_others_keep_ppo():
+    logprobs, behaviour, advantages, mask = _batch()
+    stale = behaviour.clone()
+    stale[1] -= math.log(4.0)  # sequence 1 sampled by an old policy: 4x less likely then than now
+    rows = torch.tensor([False, True, False])
+    out = policy_loss(logprobs, stale, advantages, mask, decoupled=rows)
+    ppo = policy_loss(logprobs, stale, advantages, mask)
+    # Sequence 1's tokens: ratio 1 against the proximal policy, weight min(ratio to behaviour, 2.0).
+    w = torch.exp(logprobs.detach()[1] - stale[1]).clamp(max=2.0)
+    per_token_ppo = {(0, 0): -1.28, (0, 1): -1.0, (2, 0): -2.2}
+    expected = (sum(per_token_ppo.values()) + float((-w * advantages[1]).sum())) / 5
+    assert float(out.loss) == pytest.approx(expected, abs=1e-5)
+    assert float(out.loss) != pytest.approx(float(ppo.loss), abs=1e-3)
 
 
 def test_chunked_logprobs_equal_unchunked():

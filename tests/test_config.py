@@ -44,6 +44,10 @@ def test_yaml_then_overrides(tmp_path):
     [
         ("tiny", ["rollout.segment_tokens=500"], "segment_tokens=500"),
         ("tiny", ["rollout.num_generations=0"], "rollout.num_generations=0"),
+        ("tiny", ["rollout.num_generations=1"], "rollout.num_generations=1: a GRPO group needs at least 2"),
+        ("tiny", ["rollout.downstream_generations=1"], "rollout.downstream_generations=1: a GRPO group needs"),
+        ("tiny", ["learner.clip_ratio_c=0.5"], "learner.clip_ratio_c=0.5"),
+        ("tiny", ["learner.tis_mode=sequence"], "learner.tis_mode='sequence'"),
         ("tiny", ["engine.name=tgi"], "engine.name='tgi'"),
         ("nope", [], "preset='nope'"),
         ("tiny", ["rollout.no_such_field=1"], "rollout.no_such_field"),

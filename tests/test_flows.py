@@ -273,12 +273,15 @@ def test_a_failed_learner_leaves_the_rollouts_unfinished_for_a_resume(tmp_path, 
         raise RuntimeError("the learner broke")
 
     monkeypatch.setattr(Learner, "train_step", broken)
-    cfg = small_config(tmp_path, **{"data.num_batches": 6})
+    # Far more batches than decode before the learner's first step fails (a few seconds): with 6 a busy
+    # machine's learner sometimes failed only after the last batch, when the rollouts had finished.
+    cfg = small_config(tmp_path, **{"data.num_batches": 40})
     with pytest.raises(RuntimeError, match="the learner broke"):
         train_flow(cfg, "broken", evaluate_before=False, evaluate_after=False)
     store = SegmentStore.from_config(cfg.store)
     assert store.count("samples", "broken") > 0  # the learner had groups to fail on
     assert not store.has_event("broken", ROLLOUTS_FINISHED)
+    assert store.count("problems", "broken") < 40 * cfg.rollout.problems_per_batch  # the batches stopped early
 
 
 def test_synchronous_train_flow_decodes_no_batch_after_the_learner_has_its_steps(tmp_path):
@@ -289,7 +292,11 @@ def test_synchronous_train_flow_decodes_no_batch_after_the_learner_has_its_steps
     cfg = small_config(tmp_path, **{"rollout.synchronous": True, "data.num_batches": 4, "learner.max_steps": 1})
     result = train_flow(cfg, "sync", evaluate_before=False, evaluate_after=False)
     assert result["learner_steps"] == 1
-    assert SegmentStore.from_config(cfg.store).count("problems", "sync") == 2
+    store = SegmentStore.from_config(cfg.store)
+    assert store.count("problems", "sync") == 2
+    samples = result["samples"]  # what became of the finished samples
+    assert samples["trained"] == store.count("consumptions", "sync") > 0 and samples["dropped_stale"] == 0
+    assert samples["finished"] == samples["trained"] + samples["pending"] and samples["stale_drop_fraction"] == 0.0
 
 
 def test_learner_flow_compacts_the_store_every_n_versions(tmp_path):

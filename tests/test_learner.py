@@ -380,3 +380,67 @@ def test_an_update_that_makes_a_parameter_non_finite_is_never_published(folder, 
         learner.train_step(groups)
     assert store.latest_version(RUN) is None and len(store.trainable_groups(RUN, "solver")) == 2
     assert not (tmp_path / f"ckpt-{RUN}").exists() or not any((tmp_path / f"ckpt-{RUN}").iterdir())
+
+
+def test_past_the_staleness_bound_correct_trains_stale_groups_with_decoupled_ppo(folder, tmp_path):
+    from marsrl_core.learn.groups import ready_groups
+
+    cfg = _cfg(tmp_path, max_staleness=1, groups_per_step=2, downstream_groups_per_step=2, stale_groups="correct")
+    store = SegmentStore.from_config(cfg.store)
+    learner, engine = _learner(cfg, store, folder, tmp_path)
+    old = sample_groups(engine, store, RUN, "verifier", "V|1+2|", groups=3, size=4, reward_fn=digit_fraction)
+    for step in range(2):
+        learner.train_step(
+            sample_groups(engine, store, RUN, "solver", "S|1|", groups=2, size=4, seed=step, reward_fn=digit_fraction)
+        )
+    groups = ready_groups(learner)  # stale groups make a step ready: two of the three, the third waits
+    assert len(groups) == 2 and all(g.stale and g.agent == "verifier" for g in groups)
+    report = learner.train_step(groups)
+    assert report.consumed == {"verifier": [s for g in groups for s in g.sample_ids]}
+    m = report.metrics["verifier"]
+    assert "dropped_stale_samples" not in m and m["decoupled_samples"] > 0 and np.isfinite(m["loss"])
+    assert m["clip_fraction"] == 0.0  # against the proximal policy the ratio is 1: nothing is clipped
+    steps = store.query("SELECT DISTINCT learner_step FROM consumptions WHERE agent = 'verifier'")
+    assert steps.column("learner_step").to_pylist() == [3]
+    assert [g.group_id for g in store.trainable_groups(RUN, "verifier")] != [] and len(old) == 3
+
+
+def test_mask_truncated_completions_leaves_outputs_cut_off_by_their_budget_out_of_the_loss(folder, tmp_path):
+    # 48-token budgets: some of the random tiny model's samples stop (EOS), the others run out of budget.
+    metrics = {}
+    for mask in (False, True):
+        cfg = _cfg(tmp_path / str(mask), mask_truncated_completions=mask)
+        store = SegmentStore.from_config(cfg.store)
+        learner, engine = _learner(cfg, store, folder, tmp_path / str(mask))
+        groups = sample_groups(
+            engine, store, RUN, "solver", "S|", groups=2, size=8, seed=3, max_tokens=48, reward_fn=digit_fraction
+        )
+        samples = store.load_samples(RUN, [s for g in groups for s in g.sample_ids]).values()
+        cut = [s for s in samples if s.finish_reason == "budget"]
+        assert 0 < len(cut) < len(samples)
+        metrics[mask] = learner.train_step(groups).metrics["solver"]
+        kept = sum(len(s.token_ids) for s in samples if not (mask and s.finish_reason == "budget"))
+        assert metrics[mask]["tokens"] == kept
+    assert metrics[True]["masked_truncated_samples"] == len(cut) and metrics[False]["masked_truncated_samples"] == 0
+    assert metrics[True]["reward_mean"] == metrics[False]["reward_mean"]  # still counted in the rewards
+    assert metrics[True]["loss"] != pytest.approx(metrics[False]["loss"])
+
+
+def test_agent_weighting_sets_how_agents_sharing_a_policy_are_normalised():
+    from marsrl_core.learn.agent_loss import TrainItem, loss_normalizers
+    from marsrl_core.store import StoredSample
+
+    def item(tokens: int, masked: bool = False) -> TrainItem:
+        empty = np.zeros(0)
+        sample = StoredSample("s", "a", "g", empty, np.zeros(tokens, int), np.zeros(tokens), empty, "stop")
+        return TrainItem(sample, 1.0, masked=masked)
+
+    per_agent = {"solver": [item(10), item(30)], "verifier": [item(20), item(5, masked=True)]}
+    shared = {agent: n["token_normalizer"] for agent, n in loss_normalizers(per_agent, lambda a: "p", "sum").items()}
+    assert shared == {"solver": 40.0, "verifier": 20.0}  # each agent's own tokens: the step sums two means
+    mean = loss_normalizers(per_agent, lambda a: "p", "mean")
+    assert mean["solver"] == {"token_normalizer": 80.0, "sequence_normalizer": 4.0}
+    token = loss_normalizers(per_agent, lambda a: "p", "token")
+    assert token["solver"] == token["verifier"] == {"token_normalizer": 60.0, "sequence_normalizer": 3.0}
+    own = loss_normalizers(per_agent, lambda a: a, "token")  # per-agent policies: each its own
+    assert own["verifier"] == {"token_normalizer": 20.0, "sequence_normalizer": 1.0}

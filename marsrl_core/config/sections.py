@@ -67,10 +67,11 @@ class EngineConfig(_Section):
 
 class RolloutConfig(_Section):
     num_generations: int = Field(
-        8, ge=1, description="Solver samples per problem (the GRPO group size for the Solver)."
+        8, description="Solver samples per problem (the GRPO group size for the Solver; at least 2)."
     )
     downstream_generations: int = Field(
-        8, ge=1, description="Samples per selected input for the Verifier and Corrector (their GRPO group size)."
+        8,
+        description="Samples per selected input for the Verifier and Corrector (their GRPO group size; at least 2).",
     )
     select_inputs: int = Field(2, ge=1, description="Upstream outputs each downstream agent selects per problem.")
     selection: Literal["adaptive", "balanced", "random"] = Field(
@@ -109,6 +110,16 @@ class RolloutConfig(_Section):
         """The response budget of `agent`."""
         return getattr(self, f"{agent}_max_tokens")
 
+    @field_validator("num_generations", "downstream_generations")
+    @classmethod
+    def _a_group_has_two_samples(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                "a GRPO group needs at least 2 samples; a group of one has no reward variance, so it is dropped "
+                "and its agent would never train"
+            )
+        return value
+
     @model_validator(mode="after")
     def _segment_within_budgets(self) -> RolloutConfig:
         for agent in AGENTS:
@@ -140,7 +151,36 @@ class LearnerConfig(_Section):
     )
     scale_rewards: bool = Field(True, description="Divide advantages by the group std (False gives Dr. GRPO).")
     tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling: cap on the behaviour ratio (None disables)."
+        None,
+        gt=0,
+        description="Truncated importance sampling (decoupled PPO) for every sample: the ratio is taken against "
+        "the policy at the start of the step and each token weighted by pi_prox / pi_behaviour, capped here "
+        "(None: only samples past `max_staleness` with `stale_groups='correct'` are weighted, capped at 2).",
+    )
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate",
+        description="How the importance weight is formed (TRL's `vllm_importance_sampling_mode`): per token or "
+        "per sequence (the product of its tokens' ratios), truncated at the cap or zero above it. Per token "
+        "by default: the product over a sequence thousands of tokens long collapses to 0 or past any cap.",
+    )
+    clip_ratio_c: float | None = Field(
+        None,
+        gt=1,
+        description="Dual-clip PPO (verl's `clip_ratio_c`, Ye et al. 2020): for a negative advantage a token's "
+        "loss is at most -A * c, so one token whose ratio has grown large cannot dominate a step (None: off).",
+    )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="Leave outputs cut off by their agent's budget out of the loss (TRL's name; DAPO's overlong "
+        "filtering); they still count in the group's advantages and the reward statistics. Off: they are "
+        "trained on with `rollout.truncated_reward`.",
+    )
+    agent_weighting: Literal["sum", "mean", "token"] = Field(
+        "sum",
+        description="How a policy shared by several agents weighs them in one step: 'sum' adds each agent's "
+        "own loss mean (the step grows with the agents in it), 'mean' averages them (each agent weighs the "
+        "same), 'token' takes one mean over all their tokens (sequences for loss_type 'grpo'), so an agent "
+        "weighs by its share of the tokens.",
     )
     logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens per chunk when computing log-probs and entropy.")
     micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
@@ -166,6 +206,13 @@ class LearnerConfig(_Section):
         "gradient, and a learner that drains a backlog oldest-first trains on ever older data. Once the "
         "rollouts have finished and no fresh group is left, stale ones are trained on rather than ending "
         "the run short of its steps. None trains on every group.",
+    )
+    stale_groups: Literal["drop", "correct"] = Field(
+        "drop",
+        description="What a step does with groups past `max_staleness`: 'drop' them untrained, or 'correct' "
+        "them: train on them with decoupled PPO (AReaL; Hilton et al. 2022), the ratio against the policy at "
+        "the start of the step and each token weighted by pi_prox / pi_behaviour, capped at `tis_cap` (2 when "
+        "unset) as `tis_mode` says.",
     )
     save_total_limit: int | None = Field(
         None,

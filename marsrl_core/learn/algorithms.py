@@ -11,9 +11,12 @@
 - `policy_loss`: PPO clip with the ratio against the recorded behaviour log-probs (`epsilon` below,
   `epsilon_high` above: DAPO's clip-higher), token-level aggregation over the batch (`dapo`) or the
   mean per sequence then over sequences (`grpo`), optional k3 KL to a reference (`beta`), and
-  optional truncated importance sampling (`tis_cap`): the ratio is then taken against the current
-  policy at the start of the step (the proximal policy; one optimiser step per batch) and each token
-  is weighted by min(pi_prox / pi_behaviour, tis_cap), as decoupled PPO does for stale samples.
+  optional truncated importance sampling (`tis_cap`, `tis_mode`): the ratio is then taken against
+  the current policy at the start of the step (the proximal policy; one optimiser step per batch)
+  and each token is weighted by min(pi_prox / pi_behaviour, tis_cap), per token or per sequence, as
+  decoupled PPO (AReaL) does for stale samples; optional dual clip (`clip_ratio_c`, verl) for
+  negative advantages. Log-ratios are clamped before `exp` and sums are masked, so one overflowing
+  token or a NaN in padding cannot make the loss non-finite.
 
 Deliberate simplification: one optimiser step per batch (no PPO epochs), so the proximal policy is
 the current one, detached.
@@ -105,15 +108,35 @@ def naive_logprobs(
     return _chunk_logprobs(hidden, weight, targets, temperature)
 
 
+LOG_RATIO_LIMIT = 20.0  # log-ratios are clamped to +-20 before exp (as verl does): e^20 is finite in float32
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
 @dataclass
 class LossOutput:
     loss: torch.Tensor
     clip_fraction: float
     clip_low_fraction: float
     clip_high_fraction: float
+    dual_clip_fraction: float
     ratio_mean: float
     ratio_max: float
     kl: float
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, cap: float, mode: str) -> torch.Tensor:
+    """Behaviour importance weights [B, T] from per-token log(pi_prox / pi_behaviour) (TRL's
+    `vllm_importance_sampling_mode`): per token or per sequence (the product of its tokens' ratios),
+    truncated at `cap` (`*_truncate`) or zeroed where above it (`*_mask`)."""
+    if mode not in TIS_MODES:
+        raise ValueError(f"tis_mode={mode!r}: expected one of {TIS_MODES}")
+    log_ratio = torch.where(mask, log_ratio, 0.0)
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    return torch.where(ratio > cap, 0.0, ratio)
 
 
 def policy_loss(
@@ -128,50 +151,68 @@ def policy_loss(
     beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    tis_mode: str = "token_truncate",
+    decoupled: torch.Tensor | None = None,
+    clip_ratio_c: float | None = None,
     token_normalizer: float | None = None,
     sequence_normalizer: float | None = None,
 ) -> LossOutput:
     """PPO-clip loss over a padded batch [B, T] (`advantages` [B], one per sequence).
 
+    Rows in `decoupled` [B] (all rows when `tis_cap` is set) take decoupled PPO's form: the ratio is
+    against the proximal policy and each token is weighted by `importance_weights` (cap `tis_cap`, 2.0
+    when unset). `clip_ratio_c` is dual-clip PPO (verl's name): for a negative advantage a token's loss
+    is at most -A * c, so a huge ratio on a token the policy now favours cannot dominate the step.
+    Every sum is masked with `torch.where`, so a NaN in padding cannot reach the loss.
+
     `token_normalizer` / `sequence_normalizer` let a caller split one step into micro-batches and
     still get the loss of the whole step (total tokens for `dapo`, total sequences for `grpo`).
     """
-    mask = mask.to(logprobs.dtype)
+    mask = mask.bool()
     adv = advantages[:, None].to(logprobs.dtype)
-    if tis_cap is None:
-        ratio = torch.exp(logprobs - behavior_logprobs)
-        weight = torch.ones_like(ratio)
-    else:
+    behaviour_log_ratio = (logprobs - behavior_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(behaviour_log_ratio)
+    weight = torch.ones_like(ratio)
+    rows = torch.ones(len(logprobs), dtype=torch.bool) if tis_cap is not None else decoupled
+    if rows is not None and rows.any():
         proximal = logprobs.detach()
-        ratio = torch.exp(logprobs - proximal)
-        weight = torch.exp(proximal - behavior_logprobs).clamp(max=tis_cap)
+        capped = importance_weights(proximal - behavior_logprobs, mask, tis_cap or 2.0, tis_mode)
+        ratio = torch.where(rows[:, None], torch.exp(logprobs - proximal), ratio)
+        weight = torch.where(rows[:, None], capped, weight)
     clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
-    per_token = -weight * torch.minimum(ratio * adv, clipped * adv)
+    pg = -torch.minimum(ratio * adv, clipped * adv)
+    dual = torch.zeros_like(mask)
+    if clip_ratio_c is not None:
+        dual = (adv < 0) & (pg > -adv * clip_ratio_c)
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * clip_ratio_c), pg)
+    per_token = weight * pg
     kl_token = torch.zeros_like(per_token)
     if beta > 0:
         if ref_logprobs is None:
             raise ValueError("policy_loss: beta > 0 needs ref_logprobs")
-        delta = ref_logprobs - logprobs
+        delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
         kl_token = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl_token
+    per_token = torch.where(mask, per_token, 0.0)
     if loss_type == "dapo":
-        loss = (per_token * mask).sum() / (token_normalizer or mask.sum().clamp(min=1))
+        loss = per_token.sum() / (token_normalizer or mask.sum().clamp(min=1))
     elif loss_type == "grpo":
-        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        per_seq = per_token.sum(-1) / mask.sum(-1).clamp(min=1)
         loss = per_seq.sum() / (sequence_normalizer or per_token.shape[0])
     else:
         raise ValueError(f"loss_type={loss_type!r}: expected 'dapo' or 'grpo'")
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
-        low = ((ratio < 1 - epsilon) & (adv < 0)) * mask
-        high = ((ratio > 1 + epsilon_high) & (adv > 0)) * mask
-        real = ratio[mask.bool()] if mask.any() else torch.ones(1)
+        low = (ratio < 1 - epsilon) & (adv < 0) & mask
+        high = (ratio > 1 + epsilon_high) & (adv > 0) & mask
+        real = ratio[mask] if mask.any() else torch.ones(1)
         return LossOutput(
             loss=loss,
             clip_fraction=float((low.sum() + high.sum()) / n),
             clip_low_fraction=float(low.sum() / n),
             clip_high_fraction=float(high.sum() / n),
+            dual_clip_fraction=float((dual & mask).sum() / n),
             ratio_mean=float(real.mean()),
             ratio_max=float(real.max()),
-            kl=float((kl_token * mask).sum() / n),
+            kl=float(torch.where(mask, kl_token, 0.0).sum() / n),
         )

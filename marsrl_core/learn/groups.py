@@ -18,14 +18,32 @@ def ready_groups(learner: Learner, flush: bool = False) -> list[TrainableGroup]:
     (or `flush`, at the end of a run, when any ready group counts). Groups older than the learner's
     `max_staleness` come along flagged `stale` (the step drops them) but never make a step ready,
     except at `flush` when no fresh group is left: the run's data is all there is, so up to a step's
-    count of them per agent (the newest) are trained on rather than ending the run short of its steps."""
+    count of them per agent (the newest) are trained on rather than ending the run short of its steps.
+
+    With `learner.stale_groups='correct'` stale groups are trained on (with decoupled PPO's correction):
+    a step takes an agent's fresh groups first, then fills its count with stale ones, the newest first;
+    the other stale groups wait for a later step."""
     per_agent, bound = learner.cfg.learner.groups_per_step_by_agent(), learner.cfg.learner.max_staleness
     by_agent = learner.store.trainable_groups_by_agent(
         learner.run_id, AGENTS, limit=per_agent, min_version=None if bound is None else learner.step - bound
     )
+    if learner.cfg.learner.stale_groups == "correct":
+        return _with_stale(by_agent, per_agent, flush)
     fresh = {agent: [g for g in groups if not g.stale] for agent, groups in by_agent.items()}
     if flush and not any(fresh.values()):
         return [replace(g, stale=False) for agent, groups in by_agent.items() for g in groups[-per_agent[agent] :]]
     if not flush and all(len(groups) < per_agent[agent] for agent, groups in fresh.items()):
         return []
     return [g for groups in by_agent.values() for g in groups]
+
+
+def _with_stale(
+    by_agent: dict[str, list[TrainableGroup]], per_agent: dict[str, int], flush: bool
+) -> list[TrainableGroup]:
+    chosen = {}
+    for agent, groups in by_agent.items():
+        stale = sorted((g for g in groups if g.stale), key=lambda g: g.oldest_version, reverse=True)
+        chosen[agent] = ([g for g in groups if not g.stale] + stale)[: per_agent[agent]]
+    if not flush and all(len(groups) < per_agent[agent] for agent, groups in chosen.items()):
+        return []
+    return [g for groups in chosen.values() for g in groups]

@@ -4,9 +4,9 @@ One `train_step(groups)`:
 1. rebuilds the groups' samples from the store (prompt, response tokens, behaviour log-probs);
 2. computes group-normalised advantages per same-input group, dropping (and counting) groups with
    zero reward variance;
-3. per agent, runs the policy over micro-batches packed to `micro_batch_tokens`, computes log-probs
-   and entropy in chunks (`logprob_chunk_tokens`), the PPO-clip loss against the behaviour log-probs,
-   and back-propagates;
+3. per agent, runs the policy over micro-batches and back-propagates the PPO-clip loss against the
+   behaviour log-probs (`agent_loss.backward`; the normalizers weigh the agents that share a policy
+   as `agent_weighting` says);
 4. clips gradients and steps the optimizer of each policy that received gradients. A non-finite loss
    or gradient norm skips the whole update (`skipped_nonfinite`): its samples are consumed and its
    version holds the weights as they were. An update that makes a parameter non-finite fails the step
@@ -15,7 +15,8 @@ One `train_step(groups)`:
    consumptions, the version row and the metrics commit in one store transaction.
 
 Groups flagged `stale` (older than `learner.max_staleness` policy versions, see `groups.ready_groups`)
-are not trained on: the step records them as dropped, so they are never offered again.
+are dropped untrained (`stale_groups='drop'`: recorded as dropped, so they are never offered again)
+or trained on with decoupled PPO's correction (`stale_groups='correct'`).
 
 Policies: `shared` (one model for all roles, the paper) or `per_agent` (a model, AdamW and warm-up
 schedule per agent). `resume()` restarts from the last committed version (weights, optimizers,
@@ -34,12 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from marsrl_core.config import MarsRLConfig
-from marsrl_core.learn.algorithms import chunked_logprobs, group_advantages, policy_loss
+from marsrl_core.learn.agent_loss import TrainItem, backward, loss_normalizers
+from marsrl_core.learn.algorithms import group_advantages
 from marsrl_core.learn.checkpoint import (
     SHARED_POLICY,
     clean_uncommitted,
@@ -50,17 +50,20 @@ from marsrl_core.learn.checkpoint import (
     version_folder,
 )
 from marsrl_core.runtime.faults import crash_point
-from marsrl_core.store import SegmentStore, StoredSample, TrainableGroup
+from marsrl_core.store import SegmentStore, TrainableGroup
+
+_GROUP_STATS = (
+    "groups",
+    "zero_variance_groups",
+    "reward_sum",
+    "samples",
+    "decoupled_samples",
+    "masked_truncated_samples",
+)
 
 
 class LearnerError(RuntimeError):
     """A learner step that must not be published (its update made a parameter non-finite)."""
-
-
-@dataclass
-class _Item:
-    sample: StoredSample
-    advantage: float
 
 
 @dataclass
@@ -116,6 +119,8 @@ class Learner:
             "loss_type": lc.loss_type,
             "beta": lc.beta,
             "tis_cap": lc.tis_cap,
+            "tis_mode": lc.tis_mode,
+            "clip_ratio_c": lc.clip_ratio_c,
         }
         self.temperature = cfg.rollout.temperature or 1.0
         self.step = 0
@@ -143,33 +148,52 @@ class Learner:
     # ------------------------------------------------------------------ one step
     def train_step(self, groups: Sequence[TrainableGroup]) -> StepReport:
         start = time.perf_counter()
+        lc = self.cfg.learner
         dropped: dict[str, list[str]] = {}
-        for g in groups:
-            if g.stale:
-                dropped.setdefault(g.agent, []).extend(g.sample_ids)
-        groups = [g for g in groups if not g.stale]
+        if lc.stale_groups == "drop":
+            for g in groups:
+                if g.stale:
+                    dropped.setdefault(g.agent, []).extend(g.sample_ids)
+            groups = [g for g in groups if not g.stale]
         ids = [sid for g in groups for sid in g.sample_ids]
         samples = self.store.load_samples(self.run_id, ids)
-        per_agent: dict[str, list[_Item]] = {}
+        per_agent: dict[str, list[TrainItem]] = {}
         stats: dict[str, dict[str, float]] = {}
         for g in groups:
             members = [samples[sid] for sid in g.sample_ids]
-            s = stats.setdefault(g.agent, {"groups": 0, "zero_variance_groups": 0, "reward_sum": 0.0, "samples": 0})
+            s = stats.setdefault(g.agent, dict.fromkeys(_GROUP_STATS, 0.0))
             s["groups"] += 1
             s["samples"] += len(members)
             s["reward_sum"] += sum(m.reward or 0.0 for m in members)
-            advantages = group_advantages([m.reward or 0.0 for m in members], self.cfg.learner.scale_rewards)
+            advantages = group_advantages([m.reward or 0.0 for m in members], lc.scale_rewards)
             if advantages is None:
                 s["zero_variance_groups"] += 1
                 continue
-            per_agent.setdefault(g.agent, []).extend(_Item(m, a) for m, a in zip(members, advantages))
+            items = [
+                TrainItem(m, a, g.stale, lc.mask_truncated_completions and m.finish_reason == "budget")
+                for m, a in zip(members, advantages)
+            ]
+            s["decoupled_samples"] += sum(i.decoupled for i in items)
+            s["masked_truncated_samples"] += sum(i.masked for i in items)
+            if any(i.loss_tokens for i in items):
+                per_agent.setdefault(g.agent, []).extend(items)
 
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
         metrics: dict[str, dict[str, float]] = {}
         nonfinite = False
+        normalizers = loss_normalizers(per_agent, self.policy_name, lc.agent_weighting)
         for agent, items in per_agent.items():
-            agent_metrics = self._backward(agent, items)
+            agent_metrics = backward(
+                self.model_for(agent),
+                items,
+                normalizers[agent],
+                self.loss_options,
+                lc,
+                reference=self.reference,
+                temperature=self.temperature,
+                step=self.step,
+            )
             nonfinite |= not math.isfinite(agent_metrics["loss"])
             metrics[agent] = agent_metrics
         trained = {self.policy_name(a) for a in per_agent}
@@ -199,6 +223,8 @@ class Learner:
                 reward_mean=s["reward_sum"] / max(1, s["samples"]),
                 groups=s["groups"],
                 zero_variance_groups=s["zero_variance_groups"],
+                decoupled_samples=s["decoupled_samples"],
+                masked_truncated_samples=s["masked_truncated_samples"],
                 skipped_nonfinite=float(nonfinite),
                 learning_rate=self.optimizers[self.policy_name(agent)].param_groups[0]["lr"],
             )
@@ -212,82 +238,6 @@ class Learner:
         crash_point("learner.update")
         folder = self.publish(consumed, metrics, dropped)
         return StepReport(self.step, folder, consumed, metrics, nonfinite)
-
-    def _backward(self, agent: str, items: list[_Item]) -> dict[str, float]:
-        lc = self.cfg.learner
-        model = self.model_for(agent)
-        decoder, head = model.get_decoder(), model.get_output_embeddings().weight
-        total_tokens = sum(len(i.sample.token_ids) for i in items)
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "entropy": 0.0, "ratio_sum": 0.0}
-        ratio_max, staleness = 0.0, []
-        for batch in _pack(items, lc.micro_batch_tokens):
-            seqs = [torch.as_tensor(np.concatenate([i.sample.prompt_tokens, i.sample.token_ids])) for i in batch]
-            input_ids = pad_sequence(seqs, batch_first=True, padding_value=0)
-            mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
-            hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
-            positions, targets = [], []
-            for row, item in enumerate(batch):
-                p, n = len(item.sample.prompt_tokens), len(item.sample.token_ids)
-                positions.append(hidden[row, p - 1 : p - 1 + n])
-                targets.append(torch.as_tensor(item.sample.token_ids, dtype=torch.long))
-            lp_flat, ent_flat = chunked_logprobs(
-                torch.cat(positions), head, torch.cat(targets), lc.logprob_chunk_tokens, self.temperature
-            )
-            lengths = [len(t) for t in targets]
-            logprobs = pad_sequence(list(lp_flat.split(lengths)), batch_first=True)
-            behaviour = pad_sequence(
-                [torch.as_tensor(i.sample.logprobs, dtype=torch.float32) for i in batch], batch_first=True
-            )
-            token_mask = pad_sequence([torch.ones(n) for n in lengths], batch_first=True)
-            ref = self._reference_logprobs(batch) if self.reference is not None else None
-            advantages = torch.tensor([i.advantage for i in batch])
-            normalizers = {"token_normalizer": float(total_tokens), "sequence_normalizer": float(len(items))}
-            out = policy_loss(
-                logprobs, behaviour, advantages, token_mask, ref_logprobs=ref, **normalizers, **self.loss_options
-            )
-            if torch.isfinite(out.loss):
-                out.loss.backward()
-            n_tokens = sum(lengths)
-            totals["loss"] += float(out.loss.detach())
-            totals["clip_fraction"] += out.clip_fraction * n_tokens
-            totals["kl"] += out.kl * n_tokens
-            totals["entropy"] += float(ent_flat.detach().sum())
-            totals["ratio_sum"] += out.ratio_mean * n_tokens
-            ratio_max = max(ratio_max, out.ratio_max)
-            staleness += [self.step - int(i.sample.versions.min()) for i in batch if len(i.sample.versions)]
-        adv = np.array([i.advantage for i in items])
-        n = max(1, total_tokens)
-        return {
-            "loss": totals["loss"],
-            "clip_fraction": totals["clip_fraction"] / n,
-            "kl": totals["kl"] / n,
-            "entropy": totals["entropy"] / n,
-            "ratio_mean": totals["ratio_sum"] / n,
-            "ratio_max": ratio_max,
-            "advantage_mean": float(adv.mean()),
-            "advantage_std": float(adv.std()),
-            "advantage_abs_max": float(np.abs(adv).max()),
-            "tokens": float(total_tokens),
-            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
-            "staleness_max": float(max(staleness)) if staleness else 0.0,
-        }
-
-    @torch.no_grad()
-    def _reference_logprobs(self, batch: list[_Item]) -> torch.Tensor:
-        rows = []
-        for item in batch:
-            ids = torch.as_tensor(np.concatenate([item.sample.prompt_tokens, item.sample.token_ids]))[None]
-            hidden = self.reference.get_decoder()(input_ids=ids).last_hidden_state[0]
-            p, n = len(item.sample.prompt_tokens), len(item.sample.token_ids)
-            lp, _ = chunked_logprobs(
-                hidden[p - 1 : p - 1 + n],
-                self.reference.get_output_embeddings().weight,
-                torch.as_tensor(item.sample.token_ids),
-                self.cfg.learner.logprob_chunk_tokens,
-                self.temperature,
-            )
-            rows.append(lp)
-        return pad_sequence(rows, batch_first=True)
 
     def _check_finite(self, name: str) -> None:
         """After an update: a non-finite parameter fails the step, which is never published (the task's
@@ -332,18 +282,3 @@ class Learner:
     def state_dict(self, agent: str) -> dict[str, torch.Tensor]:
         """The current weights of `agent`'s policy, for an in-process engine update."""
         return {k: v.detach() for k, v in self.model_for(agent).state_dict().items()}
-
-
-def _pack(items: list[_Item], budget: int) -> list[list[_Item]]:
-    """Greedy micro-batches of at most `budget` tokens (a longer sample forms its own batch)."""
-    batches, current, used = [], [], 0
-    for item in items:
-        size = len(item.sample.prompt_tokens) + len(item.sample.token_ids)
-        if current and used + size > budget:
-            batches.append(current)
-            current, used = [], 0
-        current.append(item)
-        used += size
-    if current:
-        batches.append(current)
-    return batches

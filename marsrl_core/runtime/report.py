@@ -51,6 +51,7 @@ def train_summary(result: dict, seed: int, wall_clock_s: float) -> dict[str, flo
         "corrector_break_after": after.get("corrector_break", nan),
         "vc_acc_before": before.get("vc_acc", nan),
         "vc_acc_after": after.get("vc_acc", nan),
+        "stale_drop_fraction": (result.get("samples") or {}).get("stale_drop_fraction", nan),
         "wall_clock_s": wall_clock_s,
         "learner_steps": int(result.get("learner_steps", 0)),
         "seed": seed,

@@ -167,6 +167,28 @@ def log_reward_curves(cfg: MarsRLConfig, run_id: str) -> None:
     plt.close(figure)
 
 
+def sample_accounting(cfg: MarsRLConfig, run_id: str) -> dict[str, float]:
+    """What became of a run's finished samples: trained, dropped untrained as stale
+    (`stale_groups='drop'`), left out of the loss as truncated (`mask_truncated_completions`; consumed by
+    a step, so counted among the trained), and still pending (finished, never consumed).
+    `stale_drop_fraction` is the untrained ones (dropped or masked) over those a step consumed."""
+    store = runtime().store(cfg)
+    row = store.query(
+        """SELECT (SELECT count(DISTINCT sample_id) FROM rewards WHERE run_id = $1) AS finished,
+                  (SELECT count(*) FROM consumptions WHERE run_id = $1 AND learner_step > 0) AS trained,
+                  (SELECT count(*) FROM consumptions WHERE run_id = $1 AND learner_step < 0) AS dropped_stale,
+                  (SELECT coalesce(sum(CAST(json_extract(metrics_json, '$.masked_truncated_samples') AS DOUBLE)), 0)
+                   FROM train_steps WHERE run_id = $1) AS masked_truncated""",
+        [run_id],
+    ).to_pylist()[0]
+    consumed = row["trained"] + row["dropped_stale"]
+    return {
+        **{k: float(v) for k, v in row.items()},
+        "pending": float(row["finished"] - consumed),
+        "stale_drop_fraction": (row["dropped_stale"] + row["masked_truncated"]) / max(1, consumed),
+    }
+
+
 def compact(cfg: MarsRLConfig) -> dict[str, int]:
     """Compact the store (`Store.compact`) with the configured retention."""
     return runtime().store(cfg).compact(retention_s=60 * cfg.store.compaction_retention_minutes)
