@@ -4,7 +4,9 @@ times. Run: `python benchmarks/engine_bench.py`.
 
 Writes benchmarks/results/engine.json with hf_tokens_per_s and hf_sequential_tokens_per_s (per batch
 size), hf_batched_speedup_b32, hf_weight_update_s, vllm_tokens_per_s (per batch size),
-vllm_startup_s and vllm_weight_update_s (null without vLLM).
+vllm_startup_s and vllm_weight_update_s (null without vLLM), and the prefill of 16 prompts of 300
+tokens with a Qwen3-sized vocabulary, logits of the last position only against every position:
+hf_prefill_last_logits_s, hf_prefill_all_logits_s, hf_prefill_all_logits_gb, hf_prefill_speedup.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+
+import torch  # noqa: E402
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
 from marsrl_core.demo.tiny import build_tiny_model  # noqa: E402
@@ -37,6 +41,44 @@ def tokens_per_s(engine, batch: int, batched: bool, tokenizer=None) -> float:
         results = [engine.decode_segment([r])[0] for r in requests]
     elapsed = time.perf_counter() - start
     return sum(len(r.token_ids) for r in results) / elapsed
+
+
+def prefill_figures(batch: int = 16, prompt_tokens: int = 300, vocab: int = 151936) -> dict:
+    """One segment's prefill with a Qwen3-sized vocabulary: the output layer applied to the last position
+    only (what the engine does) against every prompt position (random weights; a stand-in tokenizer
+    that has only the pad and EOS ids the engine reads)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+    )
+    engine = HFEngine(Qwen3ForCausalLM(config), SimpleNamespace(eos_token_id=vocab - 1, pad_token_id=vocab - 2))
+    prompts = [torch.randint(0, vocab - 2, (prompt_tokens,)).tolist() for _ in range(batch)]
+    requests = [SegmentRequest(p, (), 1, SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts)]
+    seconds = {}
+    for last_only in (True, False, True, False, True, False):  # alternated; the median of three each
+        engine.last_logits_only = last_only
+        start = time.perf_counter()
+        engine.decode_segment(requests)
+        seconds.setdefault(last_only, []).append(time.perf_counter() - start)
+    last, every = (sorted(seconds[k])[1] for k in (True, False))
+    return {
+        "hf_prefill_shape": {"batch": batch, "prompt_tokens": prompt_tokens, "vocab": vocab},
+        "hf_prefill_last_logits_s": last,
+        "hf_prefill_all_logits_s": every,
+        "hf_prefill_all_logits_gb": batch * prompt_tokens * vocab * 4 / 1e9,
+        "hf_prefill_speedup": every / last,
+    }
 
 
 def vllm_figures(folder: Path, state: dict, tokenizer) -> dict:
@@ -75,6 +117,7 @@ def main() -> None:
         engine.update_weights(1, state)
         figures["hf_weight_update_s"] = time.perf_counter() - start
         figures.update(vllm_figures(folder, state, engine.tokenizer))
+    figures.update(prefill_figures())
     figures["hf_batched_speedup_b32"] = rows[-1][3]
     print_rows(
         f"hf engine, tiny model, {NEW_TOKENS} new tokens per request",
@@ -82,6 +125,13 @@ def main() -> None:
         rows,
     )
     print(f"hf in-place weight update from a state dict: {figures['hf_weight_update_s'] * 1000:.1f} ms")
+    shape = figures["hf_prefill_shape"]
+    print(
+        f"hf prefill of {shape['batch']} x {shape['prompt_tokens']} tokens, {shape['vocab']}-token vocabulary: "
+        f"last position only {figures['hf_prefill_last_logits_s']:.2f} s, every position "
+        f"{figures['hf_prefill_all_logits_s']:.2f} s ({figures['hf_prefill_all_logits_gb']:.1f} GB of logits): "
+        f"{figures['hf_prefill_speedup']:.1f}x"
+    )
     if figures["vllm_startup_s"] is not None:
         print_rows(
             "vLLM (in-process, CPU build), tiny model",

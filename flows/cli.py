@@ -131,8 +131,13 @@ def cmd_learn(args: argparse.Namespace) -> int:
     # Built before Prefect starts (under the run's one-learner lease, from its last checkpoint): a second
     # learner of the run or a bad checkpoint is one line, not a flow's traceback.
     runtime().learner(cfg, args.run_id)
-    with local_server():
-        steps = learner_flow(cfg, args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
+    try:
+        with local_server():
+            steps = learner_flow(cfg, args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
+    except BaseException as err:
+        runtime().end_tracker(args.run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
+        raise
+    runtime().end_tracker(args.run_id, "FINISHED")
     store = runtime().store(cfg)
     store.mark(args.run_id, events.STORE_LOCK_RETRIES, f"learner:{store.lock_retries}")
     core_cli.console.print(f"learner stopped after step {steps}")

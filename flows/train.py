@@ -49,6 +49,18 @@ def train_flow(
     rt = runtime()
     rt.clear_interrupt(run_id)  # an earlier run of this id in this process may have been stopped
     work.start_run(config, run_id)
+    rt.tracker(config, run_id)  # the MLflow run (a resumed run's own) starts before the evaluation it records
+    try:
+        result = _train(config, run_id, evaluate_before, evaluate_after)
+    except BaseException as err:  # a failure, or a stop (a signal, Ctrl-C): the MLflow run ends so too
+        rt.end_tracker(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
+        raise
+    rt.end_tracker(run_id, "FINISHED")
+    return result
+
+
+def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_after: bool) -> dict:
+    rt = runtime()
     store = rt.store(config)
     result: dict = {"run_id": run_id}
     latest = store.latest_version(run_id)

@@ -15,6 +15,9 @@ import tempfile
 import pytest
 
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="marsrl-tests-prefect-")
+# The flows tested in this process run against Prefect's temporary server, which gets 20 s to start by
+# default; a busy 2-core machine has taken longer, and the first flow of the session then failed.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # Prefect's console log handler binds the stderr of the moment Prefect is first imported. Imported here,
 # that is the session's stream; first imported inside a test that captures output (capsys), it would be
 # that test's stream, closed after it, and every later Prefect log line would fail.

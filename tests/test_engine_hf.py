@@ -51,6 +51,28 @@ def test_logprobs_equal_a_separate_forward_pass(engine, temperature):
         assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
 
 
+def test_a_prefill_projects_only_the_last_position_onto_the_vocabulary(engine):
+    """Sampling needs the last position's logits; at a prefill of 2 x 12 prompt tokens the output layer
+    sees 2 positions, not 24, and what is sampled is the same as from every position's logits."""
+    shapes = []
+    hook = engine.model.get_output_embeddings().register_forward_hook(lambda m, i, out: shapes.append(out.shape))
+    prompts = _ids(engine, "S|1+2+3+4+5|", "S|9+8+7+6+5|")
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    requests = [SegmentRequest(p, (), 6, sampling) for p in prompts]
+    try:
+        last_only = engine.decode_segment(requests)
+        assert shapes[0][:2] == (2, 1) and len(prompts[0]) > 1
+        engine.last_logits_only = False
+        every = engine.decode_segment(requests)
+        assert shapes[len(shapes) // 2][:2] == (2, max(len(p) for p in prompts))
+    finally:
+        hook.remove()
+        engine.last_logits_only = True
+    for a, b in zip(last_only, every):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
+
+
 def test_eos_inside_a_segment_finishes_the_request(engine):
     prompt = _ids(engine, "S|1+2|")[0]
     free = engine.decode_segment([SegmentRequest(prompt, (), 10, GREEDY)])[0]

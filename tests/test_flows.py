@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
+from marsrl_core.runtime.context import runtime
 from tests.configs import small_config
 
 
@@ -258,7 +259,40 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     assert sorted(labels) == ["after", "before"]
     client = mlflow.MlflowClient(tracking_uri=cfg.tracking.mlflow_tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("marsrl").experiment_id])
-    assert any(r.info.run_name == "t1" and "solver/reward_mean" in r.data.metrics for r in runs)
+    (run,) = [r for r in runs if r.info.run_name == "t1"]
+    assert "solver/reward_mean" in run.data.metrics and run.info.status == "FINISHED"
+    assert {"eval_before/solver_acc", "eval_after/solver_acc"} <= set(run.data.metrics)  # before vs after
+
+
+def test_a_resumed_run_continues_its_mlflow_run_which_ends_failed_then_finished(tmp_path, monkeypatch):
+    import mlflow
+
+    from flows.train import train_flow
+    from marsrl_core.learn.learner import Learner
+
+    cfg = small_config(tmp_path, **{"learner.max_steps": 2, "data.num_batches": 6})
+    real_step = Learner.train_step
+
+    def fail_at_step_2(self, groups):
+        if self.step == 1:
+            raise RuntimeError("the learner broke")
+        return real_step(self, groups)
+
+    monkeypatch.setattr(Learner, "train_step", fail_at_step_2)
+    with pytest.raises(RuntimeError, match="the learner broke"):
+        train_flow(cfg, "again", evaluate_after=False)
+    client = mlflow.MlflowClient(tracking_uri=cfg.tracking.mlflow_tracking_uri)
+    experiment = client.get_experiment_by_name("marsrl").experiment_id
+    (failed,) = client.search_runs([experiment])
+    assert failed.info.status == "FAILED" and "eval_before/solver_acc" in failed.data.metrics
+    monkeypatch.setattr(Learner, "train_step", real_step)
+    runtime().drop_learner("again")  # as a new process would: rebuilt from the last committed version
+    assert train_flow(cfg, "again")["learner_steps"] == 2
+    (run,) = client.search_runs([experiment])  # the same MLflow run, continued
+    assert run.info.run_id == failed.info.run_id and run.info.status == "FINISHED"
+    assert run.data.tags["marsrl.resumes"] == "1" and run.data.metrics["resumed"] == 1.0
+    rates = [key for key in run.data.metrics if key.endswith("/learning_rate")]  # every step logs them
+    assert sorted({m.step for key in rates for m in client.get_metric_history(run.info.run_id, key)}) == [1, 2]
 
 
 def test_a_failed_learner_leaves_the_rollouts_unfinished_for_a_resume(tmp_path, monkeypatch):

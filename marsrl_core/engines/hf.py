@@ -20,6 +20,7 @@ is rebuilt at every segment (the prefix is re-encoded once per segment, not per 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,9 @@ class HFEngine:
         if self.eos_id is None:
             raise EngineError("tokenizer: has no eos_token_id; the engine cannot tell when an output ends")
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        # Sampling needs the logits of the last position only: at a segment's prefill the others would be
+        # a [batch x prompt x vocabulary] tensor (2.9 GB for 16 prompts of 300 tokens and a 152K vocabulary).
+        self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str = "float32", **kwargs: Any) -> HFEngine:
@@ -163,8 +167,14 @@ class HFEngine:
         cache = None
         step_ids, step_pos = input_ids, positions
         for _ in range(max(r.max_new_tokens for r in requests)):
+            keep = {"logits_to_keep": 1} if self.last_logits_only else {}
             out = self.model(
-                input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                past_key_values=cache,
+                use_cache=True,
+                **keep,
             )
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()

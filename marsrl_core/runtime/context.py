@@ -85,6 +85,13 @@ class Runtime:
                 self._trackers[run_id] = Tracker(cfg.tracking, run_id, cfg.model_dump(mode="json"))
             return self._trackers[run_id]
 
+    def end_tracker(self, run_id: str, status: str) -> None:
+        """End the run's MLflow run in this process (FINISHED, FAILED or KILLED), if it has one."""
+        with self._lock:
+            tracker = self._trackers.pop(run_id, None)
+        if tracker is not None:
+            tracker.close(status)
+
     def lease(self, cfg: MarsRLConfig, run_id: str) -> None:
         """Take the run's learner lease (`store.lease`) for this process, once; StoreError naming the
         holder when another live process has it."""
@@ -113,6 +120,8 @@ class Runtime:
                     self.tracker(cfg, run_id),
                 )
                 learner.resume()
+                if learner.step and learner.tracker.resumed:  # the interruption, on the run's MLflow run
+                    learner.tracker.log_metrics({"resumed": 1.0}, step=learner.step)
                 self._learners[run_id] = learner
             return self._learners[run_id]
 

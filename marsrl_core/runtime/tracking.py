@@ -1,6 +1,9 @@
 """MLflow tracking (imported lazily, so the library works without starting MLflow).
 
-One MLflow run per training run, with the config flattened into params. Per step and agent the
+One MLflow run per training run, found again by its `marsrl.run_id` tag: a resumed run continues the
+MLflow run it began (the resume is recorded on it as the `marsrl.resumes` tag and a `resumed` metric
+at the learner step it resumed from), and the run ends FINISHED, FAILED or KILLED with the training
+run (`close`). The config is flattened into params. Per step and agent the
 learner's metrics are logged as `<agent>/<metric>` with `step`; each published checkpoint is logged
 as artifacts under `checkpoints/v<step>`, registered as a version of the registered model
 (`tracking.registered_model_name`), and the alias `newest` points at it (MLflow reserves `latest`).
@@ -21,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 NEWEST_ALIAS = "newest"
+RUN_TAG = "marsrl.run_id"  # the training run an MLflow run belongs to
+RESUMES_TAG = "marsrl.resumes"  # how many times it was resumed
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +68,18 @@ class Tracker:
                 tracking_config.experiment_name, artifact_location=artifact_location(uri)
             )
         )
-        self.run = self.client.create_run(experiment_id, run_name=run_name)
+        found = self.client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{run_name}'", max_results=1
+        )
+        self.resumed = bool(found)
+        if found:
+            self.run = found[0]
+            self.run_id = self.run.info.run_id
+            resumes = int(self.run.data.tags.get(RESUMES_TAG, "0")) + 1
+            self.client.set_tag(self.run_id, RESUMES_TAG, str(resumes))
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        self.run = self.client.create_run(experiment_id, run_name=run_name, tags={RUN_TAG: run_name})
         self.run_id = self.run.info.run_id
         from mlflow.entities import Param
 
@@ -101,5 +117,6 @@ class Tracker:
     def log_figure(self, figure: Any, name: str) -> None:
         self.client.log_figure(self.run_id, figure, name)
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, status: str = "FINISHED") -> None:
+        """End the MLflow run: FINISHED, FAILED or KILLED."""
+        self.client.set_terminated(self.run_id, status=status)
