@@ -208,3 +208,24 @@ def test_a_resume_from_a_corrupt_checkpoint_fails_in_one_line_naming_the_file(tm
     assert resumed.returncode == 2, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     errors = [line for line in resumed.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: ") and str(weights) in errors[0], resumed.stderr
+
+
+def test_evaluation_skips_and_records_a_prompt_that_does_not_fit_the_context(tmp_path, capsys):
+    """A problem whose Solver prompt fits `model.max_prompt_tokens` but not the model's context with the
+    Solver's budget: `marsrl eval` leaves that branch out, counts it in the report, records it (agent
+    and problem) among the rejected inputs, and evaluates the rest."""
+    folder = build_tiny_model(tmp_path / "model", hidden_size=64, num_heads=2, max_position_embeddings=256)
+    dataset = tmp_path / "problems.jsonl"
+    dataset.write_text(GOOD + "\n" + json.dumps({"query": "1+" * 80 + "1", "ans_box": "81"}) + "\n")
+    small = {"evaluation.num_problems": 2, "evaluation.k": 1, "evaluation.max_rounds": 1}
+    args = set_args(tmp_path, **small, **{"model.max_prompt_tokens": 256, "rollout.solver_max_tokens": 96})
+    code = main(["eval", *args, "--set", f"model.path={folder}", "--set", f"evaluation.dataset={dataset}"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    assert "prompts skipped as too long: solver" in captured.out
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data", create=False)
+    (row,) = store.query("SELECT source, location, reason FROM rejected_inputs").to_pylist()
+    assert row["source"].startswith("evaluation:") and row["location"].endswith(": solver")
+    assert "solver prompt of" in row["reason"] and "exceeds the engine context of 256" in row["reason"]
+    (recorded,) = store.query("SELECT metrics_json FROM evaluations").column("metrics_json").to_pylist()
+    assert json.loads(recorded)["skipped_solver"] == 1.0

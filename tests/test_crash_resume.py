@@ -48,6 +48,7 @@ def _config(tmp_path: Path) -> Path:
             "learning_rate": 1e-3,
             "warmup_steps": 0,
             "max_staleness": None,
+            "save_total_limit": None,  # every version stays on disk, so the test can load each one
         },
         evaluation={"num_problems": 2, "k": 1, "max_rounds": 1},
         sft={"enabled": False},

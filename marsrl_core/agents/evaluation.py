@@ -8,6 +8,13 @@ breaks happen: a Corrector that trusts a false report "repairs" a right step); t
 k workers, each starting from one of the Solver samples (V-C avg@k). Tokens per problem count every
 generated token of the Solver samples and of the loop.
 
+A prompt that does not fit the engine's context with its agent's budget is skipped, not decoded
+(`TextGenerator.complete`), and the branch it starts is left out: a Solver sample from the Solver's
+measures and everything after it, a report from the Verifier's and the Corrector's, a revision from
+the Corrector's. The skipped branches are counted per agent (`skipped`) and listed (`skipped_prompts`:
+agent, problem id, prompt tokens) for the caller to record. In the V-C loop a skipped step ends its
+worker unaccepted, so it counts against the V-C accuracy.
+
 Deliberate simplifications: one Verifier/Corrector pass per Solver sample (not a group); a rate with
 no cases (say, no wrong solutions to fix) is reported as NaN rather than guessed.
 """
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.reasoning import run_vc_loop
@@ -43,9 +50,13 @@ class EvalReport:
     corrector_break_false_flag: float  # of right solutions judged Wrong, the fraction the Corrector broke
     vc_acc: float
     tokens_per_problem: float
+    skipped: dict[str, int] = field(default_factory=dict)  # per agent: prompts that did not fit the context
+    skipped_prompts: list[tuple[str, str, int]] = field(default_factory=list)  # (agent, problem id, tokens)
 
     def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
+        """The measures (and the skipped count per agent as `skipped_<agent>`)."""
+        out = {k: v for k, v in self.__dict__.items() if k not in ("skipped", "skipped_prompts")}
+        return out | {f"skipped_{agent}": float(n) for agent, n in self.skipped.items()}
 
 
 def evaluate(
@@ -63,59 +74,80 @@ def evaluate(
         raise ValueError(f"evaluate: need at least one problem and k >= 1 (got {len(problems)} problems, k={k})")
     tok = for_role(generator, SOLVER).tokenizer
     pairs = [(p, i) for p in problems for i in range(k)]
-    solutions = for_role(generator, SOLVER).complete(
-        [roles.prompt(tok, SOLVER, p.prompt) for p, _ in pairs], max_tokens[SOLVER]
-    )
-    right = [judge_solution(s.text, p.answer, s.truncated).correct for (p, _), s in zip(pairs, solutions)]
+    skipped_prompts: list[tuple[str, str, int]] = []
 
-    reports = for_role(generator, VERIFIER).complete(
-        [roles.prompt(tok, VERIFIER, p.prompt, s.text) for (p, _), s in zip(pairs, solutions)], max_tokens[VERIFIER]
+    def complete(role: str, prompts: list[str], rows: list[int]) -> dict[int, object]:
+        """The completions of `prompts` (one per pair index in `rows`) that were not skipped."""
+        outs = for_role(generator, role).complete(prompts, max_tokens[role])
+        skipped_prompts.extend((role, pairs[r][0].problem_id, o.prompt_tokens) for r, o in zip(rows, outs) if o.skipped)
+        return {r: o for r, o in zip(rows, outs) if not o.skipped}
+
+    rows = list(range(len(pairs)))
+    solutions = complete(SOLVER, [roles.prompt(tok, SOLVER, pairs[r][0].prompt) for r in rows], rows)
+    right = {r: judge_solution(s.text, pairs[r][0].answer, s.truncated).correct for r, s in solutions.items()}
+
+    rows = list(solutions)
+    reports = complete(
+        VERIFIER, [roles.prompt(tok, VERIFIER, pairs[r][0].prompt, solutions[r].text) for r in rows], rows
     )
-    verdicts = [parse_verdict(r.text) for r in reports]
-    caught = sum(v == WRONG and not ok for v, ok in zip(verdicts, right))
-    passed = sum(v == CORRECT and ok for v, ok in zip(verdicts, right))
-    flagged = sum(v == WRONG for v in verdicts)
-    n_wrong, n_right = right.count(False), right.count(True)
+    verdicts = {r: parse_verdict(report.text) for r, report in reports.items()}
+    caught = sum(v == WRONG and not right[r] for r, v in verdicts.items())
+    passed = sum(v == CORRECT and right[r] for r, v in verdicts.items())
+    flagged = sum(v == WRONG for v in verdicts.values())
+    n_wrong = sum(not right[r] for r in verdicts)
+    n_right = len(verdicts) - n_wrong
     recall, specificity = _rate(caught, n_wrong), _rate(passed, n_right)
     parts = [x for x in (recall, specificity) if not math.isnan(x)]
 
-    fixes = for_role(generator, CORRECTOR).complete(
+    rows = list(reports)
+    fixes = complete(
+        CORRECTOR,
         [
-            roles.prompt(tok, CORRECTOR, p.prompt, s.text, parse_bug_report(r.text))
-            for (p, _), s, r in zip(pairs, solutions, reports)
+            roles.prompt(tok, CORRECTOR, pairs[r][0].prompt, solutions[r].text, parse_bug_report(reports[r].text))
+            for r in rows
         ],
-        max_tokens[CORRECTOR],
+        rows,
     )
-    fixed_right = [judge_solution(f.text, p.answer, f.truncated).correct for (p, _), f in zip(pairs, fixes)]
-    fixed = sum(fr and not ok for fr, ok in zip(fixed_right, right))
-    broken = sum(ok and not fr for fr, ok in zip(fixed_right, right))
-    false_flags = [fr for fr, ok, v in zip(fixed_right, right, verdicts) if ok and v == WRONG]
+    fixed_right = {r: judge_solution(f.text, pairs[r][0].answer, f.truncated).correct for r, f in fixes.items()}
+    n_wrong_fixed = sum(not right[r] for r in fixes)
+    fixed = sum(fr and not right[r] for r, fr in fixed_right.items())
+    broken = sum(right[r] and not fr for r, fr in fixed_right.items())
+    false_flags = [fr for r, fr in fixed_right.items() if right[r] and verdicts[r] == WRONG]
 
-    initial = [[solutions[pi * k + i].text for i in range(k)] for pi in range(len(problems))]
+    # The V-C loop starts from each problem's Solver samples; a problem whose Solver prompt did not fit
+    # has none, and is left out of it.
+    looped = [pi for pi in range(len(problems)) if pi * k in solutions]
+    initial = [[solutions[pi * k + i].text for i in range(k)] for pi in looped]
+    vc_generators = {id(for_role(generator, role)): for_role(generator, role) for role in (SOLVER, VERIFIER, CORRECTOR)}
+    skipped_before_loop = sum(g.skipped for g in vc_generators.values())
     vc = run_vc_loop(
         generator,
         roles,
-        [p.prompt for p in problems],
+        [problems[pi].prompt for pi in looped],
         workers=k,
         accept_after=accept_after,
         max_rounds=max_rounds,
         max_tokens=max_tokens,
         initial_solutions=initial,
     )
-    vc_right = [answers_match(w.answer, p.answer) for p, workers in zip(problems, vc) for w in workers]
-    tokens = sum(len(s.token_ids) for s in solutions) + sum(w.tokens for workers in vc for w in workers)
+    vc_right = [answers_match(w.answer, problems[pi].answer) for pi, workers in zip(looped, vc) for w in workers]
+    tokens = sum(len(s.token_ids) for s in solutions.values()) + sum(w.tokens for workers in vc for w in workers)
+    skipped = {role: sum(agent == role for agent, _, _ in skipped_prompts) for role in (SOLVER, VERIFIER, CORRECTOR)}
+    skipped["vc_loop"] = sum(g.skipped for g in vc_generators.values()) - skipped_before_loop
 
     return EvalReport(
         problems=len(problems),
         k=k,
-        solver_acc=_rate(sum(right), len(right)),
+        solver_acc=_rate(sum(right.values()), len(right)),
         verifier_precision=_rate(caught, flagged),
         verifier_recall=recall,
         verifier_bal_acc=sum(parts) / len(parts) if parts else math.nan,
-        verifier_unparsable=sum(v is None for v in verdicts),
-        corrector_fix=_rate(fixed, n_wrong),
-        corrector_break=_rate(broken, n_right),
+        verifier_unparsable=sum(v is None for v in verdicts.values()),
+        corrector_fix=_rate(fixed, n_wrong_fixed),
+        corrector_break=_rate(broken, len(fixes) - n_wrong_fixed),
         corrector_break_false_flag=_rate(false_flags.count(False), len(false_flags)),
         vc_acc=_rate(sum(vc_right), len(vc_right)),
         tokens_per_problem=tokens / len(problems),
+        skipped=skipped,
+        skipped_prompts=skipped_prompts,
     )

@@ -104,6 +104,9 @@ def run_vc_loop(
         reports = for_role(generator, VERIFIER).complete(prompts, max_tokens[VERIFIER])
         to_correct = []
         for lp, report in zip(active, reports):
+            if report.skipped:  # the solution is too long for the Verifier's prompt: the worker stops here
+                lp.done = True
+                continue
             verdict = parse_verdict(report.text)
             lp.result.rounds, lp.result.tokens = round_index, lp.result.tokens + len(report.token_ids)
             lp.result.verdicts.append(verdict)
@@ -122,6 +125,9 @@ def run_vc_loop(
             for (lp, _), out in zip(
                 to_correct, for_role(generator, CORRECTOR).complete(prompts, max_tokens[CORRECTOR])
             ):
+                if out.skipped:  # too long to revise: the worker stops with what it has
+                    lp.done = True
+                    continue
                 lp.result.tokens += len(out.token_ids)
                 lp.current = Candidate(out.text, 0, round_index)
                 lp.result.candidates.append(lp.current)

@@ -215,11 +215,13 @@ class LearnerConfig(_Section):
         "unset) as `tis_mode` says.",
     )
     save_total_limit: int | None = Field(
-        None,
+        3,
         ge=1,
         description="Newest checkpoint folders kept on disk (older ones are deleted after each commit; "
-        "None keeps all, as in transformers). Engines load only the newest version and a resume the last "
-        "committed one, so a small limit is safe; every version is still a row in the store.",
+        "None keeps all). Nothing needs an older one: engines load only the newest committed version, a "
+        "resume the last committed one, an in-flight sample carries its own log-probs, and the MLflow "
+        "registry's alias points at its own copy (`tracking.log_checkpoint_steps`). Every version stays a "
+        "row in the store.",
     )
 
     def groups_per_step_by_agent(self) -> dict[str, int]:
@@ -350,10 +352,11 @@ class TrackingConfig(_Section):
     experiment_name: str = Field("marsrl", description="MLflow experiment.")
     registered_model_name: str = Field("marsrl-policy", description="Registered model holding the newest policy alias.")
     log_checkpoint_steps: int = Field(
-        1,
+        50,
         ge=0,
         description="Log every n-th published checkpoint to MLflow (artifacts and a registered-model "
-        "version; 0 never). Each is a full copy of the weights, so a long run logs a few, not every step.",
+        "version), and the newest at the end of the run; 0 never. Each is a full copy of the weights, so a "
+        "long run logs a few, not every step.",
     )
 
 

@@ -70,12 +70,18 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finish_reason: str = "length"  # "stop" when finished, "budget" when cut off by max_tokens
+    finish_reason: str = "length"  # "stop" when finished, "budget" when cut off by max_tokens, "skipped"
     text: str = ""
+    prompt_tokens: int = 0
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "budget"
+
+    @property
+    def skipped(self) -> bool:
+        """Its prompt and budget did not fit the engine's context: nothing was decoded."""
+        return self.finish_reason == "skipped"
 
 
 def generate(
@@ -136,6 +142,8 @@ class TextGenerator:
         self.engine, self.tokenizer = engine, tokenizer
         self.segment_tokens, self.sampling = segment_tokens, sampling
         self.calls = 0
+        self.context = getattr(engine, "max_positions", None) or getattr(engine, "max_model_len", None)
+        self.skipped = 0  # prompts skipped so far for not fitting the context with their budget
 
     def _next_sampling(self) -> SamplingParams:
         self.calls += 1
@@ -147,11 +155,20 @@ class TextGenerator:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def complete(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
-        outputs = generate(
-            self.engine, [self.encode(p) for p in prompts], max_tokens, self.segment_tokens, self._next_sampling()
+        """Each prompt's completion; a prompt that does not fit the engine's context with `max_tokens`
+        is skipped (`Completion.skipped`, with its `prompt_tokens`), as rollouts reject one, so that one
+        long prompt does not end a whole evaluation."""
+        encoded = [self.encode(p) for p in prompts]
+        fits = [i for i, ids in enumerate(encoded) if self.context is None or len(ids) + max_tokens <= self.context]
+        decoded = generate(
+            self.engine, [encoded[i] for i in fits], max_tokens, self.segment_tokens, self._next_sampling()
         )
-        for out in outputs:
+        outputs = [Completion(finish_reason="skipped", prompt_tokens=len(ids)) for ids in encoded]
+        for i, out in zip(fits, decoded):
             out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            out.prompt_tokens = len(encoded[i])
+            outputs[i] = out
+        self.skipped += len(prompts) - len(fits)
         return outputs
 
 

@@ -18,7 +18,7 @@ from marsrl_core.demo.synthetic import make_problems
 from marsrl_core.engines.base import SamplingParams, TextGenerator, derive_seed
 from marsrl_core.learn.checkpoint import agent_folders
 from marsrl_core.runtime.policy import make_engine, policy_folder, roles_from_config
-from marsrl_core.store import Store
+from marsrl_core.store import Rejection, Store
 
 HELD_OUT_SEED_OFFSET = 10_000  # held-out synthetic problems never share a generator seed with training
 
@@ -76,5 +76,17 @@ def evaluate_policy(cfg: MarsRLConfig, store: Store, run_id: str, label: str, fo
         max_rounds=ev.max_rounds,
     )
     metrics = report.as_dict() | {"wall_clock_s": time.perf_counter() - start}
+    context = generator["solver"].context
+    store.reject(
+        run_id,
+        [
+            Rejection(
+                f"evaluation:{problem_id}",
+                f"{label}: {agent}",
+                f"{agent} prompt of {tokens} tokens + budget {budgets[agent]} exceeds the engine context of {context}",
+            )
+            for agent, problem_id, tokens in report.skipped_prompts
+        ],
+    )
     store.record_evaluation(run_id, label, ev.dataset or "synthetic-heldout", metrics)
     return report

@@ -33,6 +33,12 @@ def print_report(console: Console, reports: dict[str, EvalReport | dict]) -> Non
             name,
             *["n/a" if math.isnan(v) else (f"{v:.0f}" if key.startswith("tokens") else f"{v:.1%}") for v in values],
         )
+    dicts = [r if isinstance(r, dict) else r.as_dict() for r in reports.values()]
+    skipped = sorted({k for d in dicts for k, v in d.items() if k.startswith("skipped_") and v})
+    for key in skipped:  # prompts too long for the context with their budget: left out, so say how many
+        table.add_row(
+            f"prompts skipped as too long: {key.removeprefix('skipped_')}", *[f"{d.get(key, 0):.0f}" for d in dicts]
+        )
     console.print(table)
 
 
