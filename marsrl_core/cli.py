@@ -102,16 +102,18 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import uuid
 
-    from marsrl_core.runtime.evaluate import evaluate_policy
+    from marsrl_core.runtime.evaluate import evaluate_policy, resolve_checkpoint
     from marsrl_core.runtime.report import print_report
     from marsrl_core.store import SegmentStore
 
     cfg = _config(args)
     store = SegmentStore.from_config(cfg.store)
+    folder, name = resolve_checkpoint(cfg, store, args.checkpoint)
+    console.print(f"evaluating {name}", soft_wrap=True, highlight=False)
     run_id = f"{cfg.run_name}-eval-{uuid.uuid4().hex[:8]}"
     store.create_run(run_id, cfg.model_dump(mode="json"))
     with console.status("evaluating"):
-        report = evaluate_policy(cfg, store, run_id, "eval")
+        report = evaluate_policy(cfg, store, run_id, "eval", folder=folder)
     print_report(console, {"eval": report})
     console.print(f"recorded as run {run_id} (table evaluations)")
     return 0
@@ -133,7 +135,15 @@ def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentP
         "compact": (cmd_compact, "DuckLake maintenance: merge small files, expire snapshots."),
     }
     setups = {
-        "sql": lambda c: c.add_argument("query", nargs="?", help="SQL to run; without it an interactive prompt opens.")
+        "sql": lambda c: c.add_argument("query", nargs="?", help="SQL to run; without it an interactive prompt opens."),
+        "eval": lambda c: c.add_argument(
+            "--checkpoint",
+            default=None,
+            metavar="RUN[:VERSION]|FOLDER",
+            help="The policy to evaluate: a run's newest committed version, one version of it, or a model or "
+            "checkpoint folder (default: the newest version of the store's most recent run, else the starting "
+            "policy, the warm start for the tiny preset). The command says which it evaluated.",
+        ),
     }
     for name, (handler, help_text, setup) in (extra_commands or {}).items():
         commands[name] = (handler, help_text)

@@ -98,3 +98,33 @@ def test_per_agent_generators_draw_independent_noise(tmp_path):
     assert [o.token_ids for o in solver] != [o.token_ids for o in corrector]
     shared = evaluation_generators(load_config("tiny"), tmp_path / "v1" / "solver")  # one model, one generator
     assert len({id(g) for g in shared.values()}) == 1
+
+
+def test_marsrl_eval_evaluates_the_checkpoint_it_is_given_and_says_which(tmp_path, capsys):
+    """`--checkpoint RUN`, `RUN:VERSION` and a folder evaluate that policy; with none, the newest version
+    of the store's most recent run; a run without versions is one line, exit 2."""
+    from marsrl_core.cli import main
+    from marsrl_core.demo.tiny import build_tiny_model
+    from marsrl_core.store import SegmentStore
+    from tests.configs import set_args
+
+    folder = build_tiny_model(tmp_path / "model", hidden_size=64, num_heads=2, max_position_embeddings=256)
+    args = [*set_args(tmp_path, **{"evaluation.num_problems": 1, "evaluation.k": 1, "evaluation.max_rounds": 1})]
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    store.create_run("trained", {})
+    store.commit_step("trained", 1, {}, str(folder))  # a committed version whose checkpoint is a model folder
+    store.close()
+    expected = {
+        None: "evaluating run trained version 1 (the newest)",
+        "trained": "evaluating run trained version 1 (its newest)",
+        "trained:1": "evaluating run trained version 1\n",
+        str(folder): f"evaluating folder {folder}",
+    }
+    for spec, said in expected.items():
+        code = main(["eval", *args, *([] if spec is None else ["--checkpoint", spec])])
+        out = capsys.readouterr().out
+        assert code == 0 and said in out and "Solver accuracy" in out, out[-2000:]
+    for spec, error in {"trained:2": "has no committed version 2", "nobody": "no run of that name"}.items():
+        assert main(["eval", *args, "--checkpoint", spec]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --checkpoint") and error in err and len(err.strip().splitlines()) == 1

@@ -58,6 +58,49 @@ def evaluation_generators(cfg: MarsRLConfig, folder: Path) -> dict[str, TextGene
     return {agent: generators[path] for agent, path in folders.items()}
 
 
+def resolve_checkpoint(cfg: MarsRLConfig, store: Store, spec: str | None) -> tuple[Path | None, str]:
+    """The policy `marsrl eval --checkpoint SPEC` evaluates, and how to name it: a folder (a model, or a
+    learner version with its agents' folders), `RUN` (that run's newest committed version) or
+    `RUN:VERSION`; with no SPEC the newest committed version of the store's most recent run, else the
+    starting policy (`model.path`, the tiny preset's warm start, or a fresh tiny model). None: the
+    starting policy's folder is resolved by `evaluate_policy` itself."""
+    from marsrl_core.learn.checkpoint import CheckpointError
+
+    if spec is None:
+        newest = store.query(
+            "SELECT run_id, version, checkpoint_uri FROM policy_versions ORDER BY created_at DESC, version DESC LIMIT 1"
+        ).to_pylist()
+        if newest:
+            row = newest[0]
+            return Path(row["checkpoint_uri"]), f"run {row['run_id']} version {row['version']} (the newest)"
+        if cfg.model.path is None and cfg.sft.enabled:
+            from marsrl_core.demo.sft import find_warm_start
+
+            warm = find_warm_start(cfg)
+            if warm is not None:
+                return warm, f"the {cfg.run_name} warm start {warm}"
+        return None, f"the starting policy ({cfg.model.path or 'a tiny model built from the config'})"
+    if Path(spec).is_dir():
+        return Path(spec), f"folder {spec}"
+    run_id, _, version = spec.partition(":")
+    if version:
+        if not version.isdigit():
+            raise CheckpointError(f"--checkpoint {spec!r}: the version after ':' must be a number")
+        rows = store.query(
+            "SELECT checkpoint_uri FROM policy_versions WHERE run_id = ? AND version = ?", [run_id, int(version)]
+        ).to_pylist()
+        if not rows:
+            raise CheckpointError(f"--checkpoint {spec!r}: run {run_id!r} has no committed version {version}")
+        return Path(rows[0]["checkpoint_uri"]), f"run {run_id} version {version}"
+    latest = store.latest_version(run_id)
+    if latest is None:
+        raise CheckpointError(
+            f"--checkpoint {spec!r}: not a folder, and no run of that name has a committed version in the store "
+            f"{cfg.store.catalog_url!r}"
+        )
+    return Path(latest[1]), f"run {run_id} version {latest[0]} (its newest)"
+
+
 def evaluate_policy(cfg: MarsRLConfig, store: Store, run_id: str, label: str, folder: Path | None = None) -> EvalReport:
     """Evaluate a policy (see `evaluation_generators` for `folder`; the run's starting policy when None)
     and record the metrics."""
