@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow
 
-from marsrl_core.config import MarsRLConfig, default_config
+from marsrl_core.config import MarsRLConfig, default_config, with_overrides
 from tasks.evaluation import evaluate
 
 
 @flow(name="evaluate", log_prints=True)
 def evaluate_flow(
-    config: MarsRLConfig = default_config(), run_id: str = "manual", label: str = "eval", checkpoint: str | None = None
+    config: MarsRLConfig = default_config(),
+    run_id: str = "manual",
+    label: str = "eval",
+    checkpoint: str | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict:
-    return evaluate(config, run_id, label, checkpoint)
+    return evaluate(with_overrides(config, overrides), run_id, label, checkpoint)

@@ -14,10 +14,11 @@ were stopped by a signal or failed), so a stopped `marsrl train` does not wait f
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prefect import flow
 
-from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
+from marsrl_core.config import MarsRLConfig, absolute_paths, default_config, with_overrides
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 from tasks.evaluation import compact
@@ -33,7 +34,9 @@ def learner_flow(
     max_steps: int | None = None,
     poll_s: float = 0.2,
     idle_timeout_s: float = 3600.0,
+    overrides: dict[str, Any] | None = None,
 ) -> int:
+    config = with_overrides(config, overrides)  # a few dotted fields changed, e.g. {"learner.max_steps": 3}
     config = absolute_paths(config)  # its checkpoint URIs are recorded: absolute, found from any folder
     rt, budget = runtime(), max_steps or config.learner.max_steps
     store = rt.store(config)

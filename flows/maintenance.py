@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow
 
-from marsrl_core.config import MarsRLConfig, default_config
+from marsrl_core.config import MarsRLConfig, default_config, with_overrides
 from tasks.evaluation import compact
 
 
 @flow(name="maintenance", log_prints=True)
-def maintenance_flow(config: MarsRLConfig = default_config()) -> dict[str, int]:
-    result = compact(config)
+def maintenance_flow(
+    config: MarsRLConfig = default_config(), overrides: dict[str, Any] | None = None
+) -> dict[str, int]:
+    result = compact(with_overrides(config, overrides))
     print(f"data files {result['files_before']} -> {result['files_after']}")
     return result

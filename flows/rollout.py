@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from prefect import flow
 
 from flows.slots import DecodeSlots, keep_in_flight
 from flows.subflows import in_thread, parent_heartbeat_only
-from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
+from marsrl_core.config import MarsRLConfig, absolute_paths, default_config, with_overrides
 from marsrl_core.rollout.samples import agent_of_turn
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
@@ -41,9 +42,13 @@ PREPARED_AHEAD = 1  # rollout subflows started beyond `batches_in_flight`, waiti
 
 @flow(name="rollout", log_prints=True)
 def rollout_flow(
-    config: MarsRLConfig = default_config(), run_id: str = "manual", batch_index: int = 0
+    config: MarsRLConfig = default_config(),
+    run_id: str = "manual",
+    batch_index: int = 0,
+    overrides: dict[str, Any] | None = None,
 ) -> list[dict[str, int]] | None:
     """Decode one batch, turn by turn; None when the run was asked to stop before the batch had a slot."""
+    config = with_overrides(config, overrides)
     with DecodeSlots.hold(run_id, batch_index) as go:
         return _decode_batch(config, run_id, batch_index) if go else None
 

@@ -3,14 +3,16 @@ so a second run with the same `model`, `roles`, `data`, `sft` and `seed` returns
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import flow
 
-from marsrl_core.config import MarsRLConfig, default_config
+from marsrl_core.config import MarsRLConfig, default_config, with_overrides
 from tasks.sft import warm_start
 
 
 @flow(name="sft", log_prints=True)
-def sft_flow(config: MarsRLConfig = default_config()) -> str:
-    folder = warm_start(config)
+def sft_flow(config: MarsRLConfig = default_config(), overrides: dict[str, Any] | None = None) -> str:
+    folder = warm_start(with_overrides(config, overrides))
     print(f"warm start: {folder}")
     return folder

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from prefect import flow
 
@@ -24,7 +25,7 @@ from flows.learner import learner_flow
 from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
 from flows.subflows import in_thread, parent_heartbeat_only
-from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
+from marsrl_core.config import MarsRLConfig, absolute_paths, default_config, with_overrides
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 
@@ -40,7 +41,9 @@ def train_flow(
     run_id: str | None = None,
     evaluate_before: bool = True,
     evaluate_after: bool = True,
+    overrides: dict[str, Any] | None = None,
 ) -> dict:
+    config = with_overrides(config, overrides)  # a few dotted fields changed, e.g. {"learner.max_steps": 3}
     config = absolute_paths(config)  # recorded so: a resume from another folder finds the run's files
     work.check_inputs(config)  # a bad dataset fails now, not after the warm start and the first evaluation
     if config.sft.enabled and config.model.path is None:  # warm start first (cached); a resumed run has its path

@@ -89,3 +89,17 @@ def test_cli_reports_config_errors_without_traceback(capsys):
     assert main(["config", "--preset", "paper"]) == 0
     assert "segment_tokens: 16384" in capsys.readouterr().out
     assert set(PRESETS) == {"tiny", "paper"}
+
+
+def test_a_few_dotted_overrides_change_only_those_fields_and_are_validated():
+    from marsrl_core.config import with_overrides
+
+    cfg = load_config("tiny", None, ["rollout.segment_tokens=16"])
+    changed = with_overrides(cfg, {"learner.max_steps": 3, "rollout.max_turns": 2})
+    assert (changed.learner.max_steps, changed.rollout.max_turns) == (3, 2)
+    assert changed.rollout.segment_tokens == 16 and changed.preset == "tiny" and changed.sft == cfg.sft
+    assert with_overrides(cfg, None) is cfg
+    with pytest.raises(ConfigError, match="learner.max_stepz"):
+        with_overrides(cfg, {"learner.max_stepz": 3})
+    with pytest.raises(ConfigError, match="learner.max_steps=0"):
+        with_overrides(cfg, {"learner.max_steps": 0})

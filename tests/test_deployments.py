@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from marsrl_core.config import config_to_yaml
 from tests.configs import small_config
 from tests.servers import free_port, wait_http
 
@@ -65,20 +66,37 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
     served = None
     try:
         wait_http(f"{api}/health", server, 120)
+        # The deployments' config is the served one (the small test config, here from a YAML file); the
+        # run changes three fields of it with `overrides`, as `prefect deployment run --params` would.
+        cfg = small_config(tmp_path, **{"learner.max_steps": 2, "data.num_batches": 3})
+        (tmp_path / "served.yaml").write_text(config_to_yaml(cfg))
         served = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve", "--cron", "0 2 * * *"],
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "serve",
+                "--cron",
+                "0 2 * * *",
+                "--config",
+                str(tmp_path / "served.yaml"),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
             cwd=tmp_path,
         )
-        cfg = small_config(tmp_path, **{"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1})
-        state, schedules = asyncio.run(_trigger(api, cfg.model_dump(mode="json"), served))
+        overrides = {"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1}
+        state, schedules = asyncio.run(_trigger(api, {"overrides": overrides, "run_id": "ui-run"}, served))
         assert state == "COMPLETED"
         assert schedules  # the train deployment carries its nightly schedule
         store = SegmentStore.from_config(cfg.store)
-        assert store.count("segments") > 0 and store.latest_version("ui-run")[0] == 1
+        assert store.count("segments") > 0 and store.latest_version("ui-run")[0] == 1  # the overrides held
+        # ... and the rest is the served config: one batch of its 2 problems, not the class defaults' 128
+        assert store.count("problems", "ui-run") == cfg.rollout.problems_per_batch == 2
+        recorded = store.run_config("ui-run")
+        assert recorded["rollout"]["max_turns"] == 2 and recorded["rollout"]["segment_tokens"] == 8
         import mlflow
 
         client = mlflow.MlflowClient(tracking_uri=cfg.tracking.mlflow_tracking_uri)
@@ -94,7 +112,7 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
                     proc.kill()
 
 
-async def _trigger(api: str, config: dict, served: subprocess.Popen):
+async def _trigger(api: str, parameters: dict, served: subprocess.Popen):
     from prefect.client.orchestration import PrefectClient
 
     async with PrefectClient(api) as client:
@@ -109,9 +127,7 @@ async def _trigger(api: str, config: dict, served: subprocess.Popen):
                 if time.time() > deadline:
                     raise
                 await asyncio.sleep(1)
-        run = await client.create_flow_run_from_deployment(
-            deployment.id, parameters={"config": config, "run_id": "ui-run"}
-        )
+        run = await client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
         deadline = time.time() + 400
         while time.time() < deadline:
             run = await client.read_flow_run(run.id)

@@ -9,7 +9,14 @@ Deliberate simplification: one config type for all flows; flows read only the se
 Invalid values raise `ConfigError`, whose message names the dotted field and the offending value.
 """
 
-from marsrl_core.config.loading import absolute_paths, build_config, config_to_yaml, default_config, load_config
+from marsrl_core.config.loading import (
+    absolute_paths,
+    build_config,
+    config_to_yaml,
+    default_config,
+    load_config,
+    with_overrides,
+)
 from marsrl_core.config.presets import PRESETS
 from marsrl_core.config.sections import (
     AGENTS,
@@ -47,4 +54,5 @@ __all__ = [
     "config_to_yaml",
     "default_config",
     "load_config",
+    "with_overrides",
 ]

@@ -72,12 +72,28 @@ def load_config(
         data = _deep_merge(data, loaded)
     for text in overrides:
         keys, value = _parse_override(text)
-        node = data
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {text!r}: {key!r} is not a section")
-        node[keys[-1]] = value
+        _set_dotted(data, keys, value, text)
+    return build_config(data)
+
+
+def _set_dotted(data: dict[str, Any], keys: list[str], value: Any, shown: str) -> None:
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {shown!r}: {key!r} is not a section")
+    node[keys[-1]] = value
+
+
+def with_overrides(config: MarsRLConfig, overrides: dict[str, Any] | None) -> MarsRLConfig:
+    """`config` with a few fields changed, given as dotted keys (`{"learner.max_steps": 3}`), merged field
+    by field and validated as one: how a deployment run from the UI, the API or `prefect deployment run
+    --params` changes a few settings of the deployment's config instead of replacing all of it."""
+    if not overrides:
+        return config
+    data = config.model_dump(mode="json")
+    for key, value in overrides.items():
+        _set_dotted(data, key.split("."), value, f"{key}={value!r}")
     return build_config(data)
 
 

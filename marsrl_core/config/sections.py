@@ -361,7 +361,12 @@ class TrackingConfig(_Section):
 
 
 class MarsRLConfig(_Section):
-    preset: str = Field("tiny", description="The preset these values started from.")
+    preset: str = Field(
+        "tiny",
+        description="The preset these values started from (a record: changing it changes no other field; "
+        "start from another preset with `marsrl serve --preset` or `--preset`).",
+        json_schema_extra={"readOnly": True},
+    )
     run_name: str = Field("marsrl", description="Name of the run (store rows and MLflow run).")
     seed: int = Field(0, description="Global random seed.")
     output_dir: str = Field("marsrl", description="Folder for checkpoints, caches and the default store.")
