@@ -4,6 +4,7 @@ started by the test, the deployments served, a run triggered through the API (as
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -135,3 +136,77 @@ async def _trigger(api: str, parameters: dict, served: subprocess.Popen):
                 return run.state.type.value, deployment.schedules
             await asyncio.sleep(1)
         raise AssertionError(f"flow run still {run.state.type.value if run.state else None} after 400 s")
+
+
+def test_the_worker_path_deploys_prefect_yaml_to_a_process_pool_and_a_worker_runs_it(tmp_path):
+    """README's worker path with a real server and worker: `prefect deploy` of deployments/prefect.yaml
+    (from the repository root, as the README says) into a process work pool, a run of its evaluate
+    deployment with a few overrides, and `prefect worker start` running it to completion."""
+    from marsrl_core.store import SegmentStore
+
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+    prefect = [sys.executable, "-m", "prefect"]
+    server = subprocess.Popen(
+        [*prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    worker = None
+    try:
+        wait_http(f"{api}/health", server, 120)
+
+        def prefect_cli(*args: str) -> str:
+            done = subprocess.run([*prefect, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            return done.stdout
+
+        prefect_cli("work-pool", "create", "marsrl-process", "--type", "process")
+        prefect_cli("--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all")
+        listed = prefect_cli("deployment", "ls")
+        assert "marsrl-evaluate-pool" in listed and "marsrl-train-pool" in listed
+        under = {
+            "store.catalog_url": f"sqlite:{tmp_path}/lake.sqlite",
+            "store.data_path": f"{tmp_path}/data",
+            "output_dir": f"{tmp_path}/out",
+            "tracking.mlflow_tracking_uri": f"sqlite:///{tmp_path}/mlflow.db",
+            "evaluation.num_problems": 2,
+            "evaluation.k": 1,
+            "evaluation.max_rounds": 1,
+        }
+        params = json.dumps({"overrides": under, "run_id": "pooled"})
+        prefect_cli("deployment", "run", "evaluate/marsrl-evaluate-pool", "--params", params)
+        worker = subprocess.Popen(
+            [*prefect, "worker", "start", "--pool", "marsrl-process"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=tmp_path,
+        )
+        deadline, recorded = time.time() + 400, None
+        while time.time() < deadline:
+            if (tmp_path / "lake.sqlite").exists():
+                store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data", create=False)
+                recorded = store.evaluation("pooled", "eval")
+                store.close()
+                if recorded is not None:
+                    break
+            assert worker.poll() is None, "the worker exited"
+            time.sleep(2)
+        assert recorded is not None and "solver_acc" in recorded
+    finally:
+        for proc in (worker, server):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
