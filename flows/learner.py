@@ -27,7 +27,25 @@ from tasks.learner import train_step
 MAX_IDLE_POLL_S = 1.0  # the longest wait between two polls of an idle learner
 
 
-@flow(name="learner", log_prints=True)
+def step_line(report: dict) -> str:
+    """One log line per learner step: per agent its mean reward, loss, tokens and staleness."""
+    parts = []
+    for agent, m in report["metrics"].items():
+        if "loss" in m:
+            parts.append(
+                f"{agent} reward {m['reward_mean']:.3f} loss {m['loss']:+.4f} tokens {m['tokens']:.0f} "
+                f"staleness {m['staleness_mean']:.1f}"
+            )
+        elif "groups" in m:  # every group had one reward for all its samples: no gradient
+            parts.append(
+                f"{agent} reward {m['reward_mean']:.3f}, no gradient ({m['groups']:.0f} groups of equal rewards)"
+            )
+        if m.get("dropped_stale_samples"):
+            parts.append(f"{agent} dropped {m['dropped_stale_samples']:.0f} stale samples")
+    return f"learner step {report['step']}: " + "; ".join(parts)
+
+
+@flow(name="learner", flow_run_name="learner-{run_id}", log_prints=True)
 def learner_flow(
     config: MarsRLConfig = default_config(),
     run_id: str = "manual",
@@ -46,8 +64,12 @@ def learner_flow(
         finished = store.has_event(run_id, events.ROLLOUTS_FINISHED)
         groups = work.ready_groups(config, run_id, flush=finished)
         if groups:
-            train_step(config, run_id, groups, flush=finished)
+            report = train_step.with_options(task_run_name=f"train-step-{step + 1}")(
+                config, run_id, groups, flush=finished
+            )
             step = rt.learner(config, run_id).step
+            if report is not None:
+                print(step_line(report))
             idle_since, wait_s = time.monotonic(), poll_s
             if config.store.compact_every_steps and step % config.store.compact_every_steps == 0:
                 compact(config)  # keeps the next polls' file lists short; readers keep their files (retention)

@@ -40,7 +40,7 @@ from tasks.rollout import record_batch, rollout_turn
 PREPARED_AHEAD = 1  # rollout subflows started beyond `batches_in_flight`, waiting for a decode slot
 
 
-@flow(name="rollout", log_prints=True)
+@flow(name="rollout", flow_run_name="rollout-batch-{batch_index}", log_prints=True)
 def rollout_flow(
     config: MarsRLConfig = default_config(),
     run_id: str = "manual",

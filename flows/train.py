@@ -13,12 +13,14 @@ their next stage and its learner before its next step."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefect import flow
+from prefect.artifacts import create_markdown_artifact
 
 from flows.evaluate import evaluate_flow
 from flows.learner import learner_flow
@@ -28,6 +30,7 @@ from flows.subflows import in_thread, parent_heartbeat_only
 from marsrl_core.config import MarsRLConfig, absolute_paths, default_config, with_overrides
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
+from marsrl_core.runtime.report import report_markdown
 
 
 def _learner_subflow(config: MarsRLConfig, run_id: str) -> int:
@@ -107,8 +110,19 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
                 raise
     result["train_wall_clock_s"] = time.perf_counter() - start
     result["samples"] = work.sample_accounting(config, run_id)
-    work.log_reward_curves(config, run_id)
+    curves = work.log_reward_curves(config, run_id)
     if evaluate_after and steps:
         latest = store.latest_version(run_id)
         result["after"] = store.evaluation(run_id, "after") or evaluate_flow(config, run_id, "after", latest[1])
+    reports = {label: result[label] for label in ("before", "after") if result.get(label)}
+    create_markdown_artifact(  # the run's page in the Prefect UI shows its results
+        key=artifact_key(run_id),
+        markdown=report_markdown(run_id, reports, curves),
+        description=f"MarsRL run {run_id}: evaluation before and after training, reward curves",
+    )
     return result
+
+
+def artifact_key(run_id: str) -> str:
+    """The Prefect artifact key of a run's results (lowercase letters, digits and dashes)."""
+    return "marsrl-" + re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-")

@@ -240,6 +240,16 @@ def test_rollouts_flow_decodes_no_prepared_batch_once_asked_to_stop(tmp_path, mo
 
 def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     import mlflow
+    from prefect.artifacts import Artifact
+    from prefect.client.orchestration import get_client
+    from prefect.logging.handlers import APILogHandler
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        FlowRunFilterParentTaskRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
 
     from flows.train import train_flow
     from marsrl_core.runtime import events
@@ -262,6 +272,21 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     (run,) = [r for r in runs if r.info.run_name == "t1"]
     assert "solver/reward_mean" in run.data.metrics and run.info.status == "FINISHED"
     assert {"eval_before/solver_acc", "eval_after/solver_acc"} <= set(run.data.metrics)  # before vs after
+    artifact = Artifact.get("marsrl-t1")  # the results on the run's page in the Prefect UI
+    assert "| Solver accuracy |" in artifact.data and "reward_curves.png" in artifact.data
+    APILogHandler().flush()  # the log lines still queued for the server
+    with get_client(sync_client=True) as client:  # runs named for what they are, a log line per step
+        flows = {
+            r.name
+            for r in client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_task_run_id=FlowRunFilterParentTaskRunId(is_null_=False))
+            )
+        }
+        tasks = {r.name for r in client.read_task_runs()}
+        (learner,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["learner-t1"])))
+        logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[learner.id])))]
+    assert "rollout-batch-0" in flows and {"train-step-1", "train-step-2"} <= tasks
+    assert any(m.startswith("learner step 2: ") and "reward" in m for m in logs), logs
 
 
 def test_a_resumed_run_continues_its_mlflow_run_which_ends_failed_then_finished(tmp_path, monkeypatch):

@@ -9,37 +9,58 @@ from rich.table import Table
 
 from marsrl_core.agents.evaluation import EvalReport
 
+MEASURES = [
+    ("Solver accuracy", "solver_acc"),
+    ("Verifier balanced accuracy", "verifier_bal_acc"),
+    ("Verifier: wrong solutions caught", "verifier_recall"),
+    ("Verifier precision (Wrong)", "verifier_precision"),
+    ("Corrector fix rate", "corrector_fix"),
+    ("Corrector break rate", "corrector_break"),
+    ("Corrector break rate after a false flag", "corrector_break_false_flag"),
+    ("V-C system accuracy", "vc_acc"),
+    ("tokens per problem", "tokens_per_problem"),
+]
+
+
+def report_rows(reports: dict[str, EvalReport | dict]) -> list[list[str]]:
+    """The before/after table's rows (the measure, then one value per report): a measure with no cases
+    is "n/a", and prompts skipped as too long for the context are counted per agent."""
+    # a dict is a recorded evaluation: one recorded before a measure existed lacks it
+    dicts = [r if isinstance(r, dict) else r.as_dict() for r in reports.values()]
+    rows = []
+    for name, key in MEASURES:
+        values = [d.get(key, math.nan) for d in dicts]
+        rows.append(
+            [
+                name,
+                *["n/a" if math.isnan(v) else (f"{v:.0f}" if key.startswith("tokens") else f"{v:.1%}") for v in values],
+            ]
+        )
+    for key in sorted({k for d in dicts for k, v in d.items() if k.startswith("skipped_") and v}):
+        rows.append(
+            [f"prompts skipped as too long: {key.removeprefix('skipped_')}", *[f"{d.get(key, 0):.0f}" for d in dicts]]
+        )
+    return rows
+
 
 def print_report(console: Console, reports: dict[str, EvalReport | dict]) -> None:
     table = Table(title="evaluation (avg@k, held-out problems)")
     table.add_column("measure")
     for label in reports:
         table.add_column(label)
-    rows = [
-        ("Solver accuracy", "solver_acc"),
-        ("Verifier balanced accuracy", "verifier_bal_acc"),
-        ("Verifier: wrong solutions caught", "verifier_recall"),
-        ("Verifier precision (Wrong)", "verifier_precision"),
-        ("Corrector fix rate", "corrector_fix"),
-        ("Corrector break rate", "corrector_break"),
-        ("Corrector break rate after a false flag", "corrector_break_false_flag"),
-        ("V-C system accuracy", "vc_acc"),
-        ("tokens per problem", "tokens_per_problem"),
-    ]
-    for name, key in rows:
-        # a dict is a recorded evaluation: one recorded before a measure existed lacks it
-        values = [r.get(key, math.nan) if isinstance(r, dict) else getattr(r, key) for r in reports.values()]
-        table.add_row(
-            name,
-            *["n/a" if math.isnan(v) else (f"{v:.0f}" if key.startswith("tokens") else f"{v:.1%}") for v in values],
-        )
-    dicts = [r if isinstance(r, dict) else r.as_dict() for r in reports.values()]
-    skipped = sorted({k for d in dicts for k, v in d.items() if k.startswith("skipped_") and v})
-    for key in skipped:  # prompts too long for the context with their budget: left out, so say how many
-        table.add_row(
-            f"prompts skipped as too long: {key.removeprefix('skipped_')}", *[f"{d.get(key, 0):.0f}" for d in dicts]
-        )
+    for row in report_rows(reports):
+        table.add_row(*row)
     console.print(table)
+
+
+def report_markdown(run_id: str, reports: dict[str, EvalReport | dict], curves_uri: str | None = None) -> str:
+    """The before/after table in Markdown (a Prefect artifact of the run), with a link to the reward curves."""
+    lines = [f"# MarsRL run {run_id}", "", "| measure | " + " | ".join(reports) + " |"]
+    lines.append("|---" * (len(reports) + 1) + "|")
+    lines += ["| " + " | ".join(row) + " |" for row in report_rows(reports)]
+    if curves_uri:
+        lines += ["", f"Per-agent reward curves (an MLflow artifact): [{curves_uri}]({curves_uri})"]
+    return "\n".join(lines)
 
 
 def train_summary(result: dict, seed: int, wall_clock_s: float) -> dict[str, float | int]:

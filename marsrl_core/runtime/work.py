@@ -155,16 +155,18 @@ def evaluate(cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None 
     return report.as_dict()
 
 
-def log_reward_curves(cfg: MarsRLConfig, run_id: str) -> None:
-    """Plot the run's per-agent reward curves and log the PNG to its MLflow run."""
+def log_reward_curves(cfg: MarsRLConfig, run_id: str) -> str:
+    """Plot the run's per-agent reward curves and log the PNG to its MLflow run; returns its URI."""
     from matplotlib import pyplot as plt
 
     from marsrl_core.runtime.plots import reward_curves
 
     rt = runtime()
     figure = reward_curves(rt.store(cfg), run_id)
-    rt.tracker(cfg, run_id).log_figure(figure, "reward_curves.png")
+    tracker = rt.tracker(cfg, run_id)
+    tracker.log_figure(figure, "reward_curves.png")
     plt.close(figure)
+    return f"{tracker.run.info.artifact_uri}/reward_curves.png"
 
 
 def sample_accounting(cfg: MarsRLConfig, run_id: str) -> dict[str, float]:
