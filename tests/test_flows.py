@@ -242,7 +242,6 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     import mlflow
     from prefect.artifacts import Artifact
     from prefect.client.orchestration import get_client
-    from prefect.logging.handlers import APILogHandler
     from prefect.client.schemas.filters import (
         FlowRunFilter,
         FlowRunFilterName,
@@ -250,6 +249,7 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
         LogFilter,
         LogFilterFlowRunId,
     )
+    from prefect.logging.handlers import APILogHandler
 
     from flows.train import train_flow
     from marsrl_core.runtime import events
