@@ -476,11 +476,13 @@ def test_marsrl_ablate_runs_each_variant_and_writes_train_json_keys(tmp_path, ca
         "corrector_break_after",
         "vc_acc_before",
         "vc_acc_after",
+        "stale_drop_fraction",
         "wall_clock_s",
         "learner_steps",
         "seed",
     }
     assert all(set(f) == keys and f["learner_steps"] == 2 for f in figures.values())
+    assert all(0.0 <= f["stale_drop_fraction"] <= 1.0 for f in figures.values())
     out = capsys.readouterr().out
     assert "synchronous" in out and "Solver accuracy" in out
     # The synchronous baseline trains only once a whole batch has been decoded.
