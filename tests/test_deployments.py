@@ -43,11 +43,10 @@ def test_docker_compose_file_is_valid_for_compose():
     assert broken.returncode != 0 or "services must be a mapping" in broken.stderr  # it really validates
 
 
-@pytest.mark.slow
-def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
-    from flows.cli import main as _  # noqa: F401  (import check before spawning)
-    from marsrl_core.store import SegmentStore
-
+@pytest.fixture
+def prefect_server(tmp_path):
+    """A real Prefect server for the test (its log in a file: a pipe nobody reads would fill and block
+    it); yields its API URL and the environment that points a process at it."""
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
@@ -57,16 +56,41 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_LOGGING_LEVEL": "WARNING",
     }
+    log = tmp_path / "prefect-server.log"
     server = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.PIPE,
+        stdout=log.open("w"),
         stderr=subprocess.STDOUT,
-        text=True,
         env=env,
     )
+    try:
+        try:
+            wait_http(f"{api}/health", server, 120)
+        except AssertionError as err:
+            raise AssertionError(f"{err}\n{log.read_text()[-3000:]}") from None
+        yield api, env
+    finally:
+        _stop(server)
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_served_deployment_runs_when_triggered_through_the_api(tmp_path, prefect_server):
+    from flows.cli import main as _  # noqa: F401  (import check before spawning)
+    from marsrl_core.store import SegmentStore
+
+    api, env = prefect_server
     served = None
     try:
-        wait_http(f"{api}/health", server, 120)
         # The deployments' config is the served one (the small test config, here from a YAML file); the
         # run changes three fields of it with `overrides`, as `prefect deployment run --params` would.
         cfg = small_config(tmp_path, **{"learner.max_steps": 2, "data.num_batches": 3})
@@ -104,13 +128,7 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path):
         runs = client.search_runs([client.get_experiment_by_name("marsrl").experiment_id])
         assert [r.info.run_name for r in runs] == ["ui-run"]
     finally:
-        for proc in (served, server):
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        _stop(served)
 
 
 async def _trigger(api: str, parameters: dict, served: subprocess.Popen):
@@ -138,31 +156,16 @@ async def _trigger(api: str, parameters: dict, served: subprocess.Popen):
         raise AssertionError(f"flow run still {run.state.type.value if run.state else None} after 400 s")
 
 
-def test_the_worker_path_deploys_prefect_yaml_to_a_process_pool_and_a_worker_runs_it(tmp_path):
+def test_the_worker_path_deploys_prefect_yaml_to_a_process_pool_and_a_worker_runs_it(tmp_path, prefect_server):
     """README's worker path with a real server and worker: `prefect deploy` of deployments/prefect.yaml
     (from the repository root, as the README says) into a process work pool, a run of its evaluate
     deployment with a few overrides, and `prefect worker start` running it to completion."""
     from marsrl_core.store import SegmentStore
 
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_LOGGING_LEVEL": "WARNING",
-    }
+    api, env = prefect_server
     prefect = [sys.executable, "-m", "prefect"]
-    server = subprocess.Popen(
-        [*prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
     worker = None
     try:
-        wait_http(f"{api}/health", server, 120)
 
         def prefect_cli(*args: str) -> str:
             done = subprocess.run([*prefect, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -203,10 +206,4 @@ def test_the_worker_path_deploys_prefect_yaml_to_a_process_pool_and_a_worker_run
             time.sleep(2)
         assert recorded is not None and "solver_acc" in recorded
     finally:
-        for proc in (worker, server):
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        _stop(worker)
