@@ -48,7 +48,22 @@ class ModelConfig(_Section):
     tiny_max_position_embeddings: int = Field(
         1024, ge=16, description="Tiny model: context length in tokens (prompt + response)."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="The dtype the engines load and the checkpoints are written in. The learner trains fp32 "
+        "master weights under `learner.mixed_precision`.",
+    )
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda|cuda:\d+)$",
+        description="Where the learner's models and the `hf` engine run: 'auto' (cuda:<LOCAL_RANK> when CUDA "
+        "is present, else the CPU), 'cpu', 'cuda' or 'cuda:N'. vLLM places itself.",
+    )
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto",
+        description="transformers attention kernel for the learner and the `hf` engine ('auto': "
+        "FlashAttention-2 on CUDA when `flash_attn` is installed, else PyTorch's sdpa).",
+    )
     max_prompt_tokens: int = Field(
         512, ge=1, description="Longest prompt accepted; longer dataset rows are rejected (recorded, not loaded)."
     )
@@ -186,6 +201,12 @@ class LearnerConfig(_Section):
     micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory on long samples."
+    )
+    mixed_precision: Literal["auto", "bf16", "native"] = Field(
+        "auto",
+        description="'bf16': fp32 master weights and AdamW state, forward and backward under bf16 autocast "
+        "(accelerate's `mixed_precision`); 'native': train and compute in `model.dtype` itself; 'auto': 'bf16' "
+        "when `model.dtype` is a half type, else 'native'. Training bf16 weights directly loses updates of lr ~1e-6.",
     )
     groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
     downstream_groups_per_step: int | None = Field(

@@ -40,7 +40,7 @@ SFT_VERSION = 6  # bump when the demonstrations change, to invalidate caches
 def _key(cfg: MarsRLConfig) -> str:
     task = {k: v for k, v in cfg.data.model_dump().items() if k.startswith("synthetic_")}
     spec = {
-        "model": cfg.model.model_dump(),
+        "model": cfg.model.model_dump(exclude={"device", "attn_implementation"}),  # where it runs, not what
         "roles": cfg.roles.model_dump(),
         "task": task,
         "sft": cfg.sft.model_dump(exclude={"enabled"}),

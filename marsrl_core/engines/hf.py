@@ -1,4 +1,4 @@
-"""The transformers engine: batched segment decoding with a KV cache, on CPU or GPU.
+"""The transformers engine: batched segment decoding with a KV cache, on `model.device` (CPU or GPU).
 
 Requests are left-padded into one batch (prompt + already-decoded prefix), with position ids taken
 from the attention mask so padding does not shift RoPE positions. Each step samples one token per
@@ -32,8 +32,11 @@ from safetensors.torch import load_file
 from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, SegmentResult, derive_seed
 
 
-def load_model_folder(path: str | Path, dtype: str = "float32"):
-    """A causal LM from a Hugging Face folder, from safetensors only; EngineError names what is wrong."""
+def load_model_folder(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu", attn: str = "sdpa"
+):
+    """A causal LM from a Hugging Face folder, from safetensors only, on `device` with attention kernel
+    `attn`; EngineError names what is wrong."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -46,7 +49,9 @@ def load_model_folder(path: str | Path, dtype: str = "float32"):
         except Exception as err:
             raise EngineError(f"checkpoint file {str(file)!r}: cannot be read ({err})") from None
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, attn_implementation=attn)
+        return model.to(device)
     except Exception as err:
         raise EngineError(f"model folder {str(path)!r}: cannot be loaded ({err})") from None
 
@@ -103,10 +108,17 @@ class HFEngine:
         self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str = "float32", **kwargs: Any) -> HFEngine:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: str = "float32",
+        device: str | torch.device = "cpu",
+        attn: str = "sdpa",
+        **kwargs: Any,
+    ) -> HFEngine:
         from transformers import AutoTokenizer
 
-        model = load_model_folder(path, dtype)  # checks the folder first
+        model = load_model_folder(path, dtype, device, attn)  # checks the folder first
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as err:

@@ -71,40 +71,45 @@ def backward(
     reference: torch.nn.Module | None,
     temperature: float,
     step: int,
+    autocast: torch.dtype | None = None,
 ) -> dict[str, float]:
-    """Accumulate the gradient of `items`' loss into `model`; returns the agent's step metrics."""
+    """Accumulate the gradient of `items`' loss into `model`; returns the agent's step metrics.
+    Batches go to the model's device; forward and loss run under `autocast` when it is set."""
     decoder, head = model.get_decoder(), model.get_output_embeddings().weight
+    device = head.device
     total_tokens = sum(i.loss_tokens for i in items)
     sums = ("loss", "clip_fraction", "clip_low", "clip_high", "dual_clip", "kl", "entropy", "ratio_sum")
     totals = dict.fromkeys((*sums, "entropy_tokens"), 0.0)
     ratio_max, staleness = 0.0, []
     for batch in pack(items, lc.micro_batch_tokens):
         seqs = [torch.as_tensor(np.concatenate([i.sample.prompt_tokens, i.sample.token_ids])) for i in batch]
-        input_ids = pad_sequence(seqs, batch_first=True, padding_value=0)
-        mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
-        hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
-        positions, targets = [], []
-        for row, item in enumerate(batch):
-            p, n = len(item.sample.prompt_tokens), len(item.sample.token_ids)
-            positions.append(hidden[row, p - 1 : p - 1 + n])
-            targets.append(torch.as_tensor(item.sample.token_ids, dtype=torch.long))
-        lp_flat, ent_flat = chunked_logprobs(
-            torch.cat(positions), head, torch.cat(targets), lc.logprob_chunk_tokens, temperature
-        )
+        input_ids = pad_sequence(seqs, batch_first=True, padding_value=0).to(device)
+        mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True).to(device)
+        targets = [torch.as_tensor(i.sample.token_ids, dtype=torch.long) for i in batch]
         lengths = [len(t) for t in targets]
-        logprobs = pad_sequence(list(lp_flat.split(lengths)), batch_first=True)
         behaviour = pad_sequence([torch.as_tensor(i.sample.logprobs, dtype=torch.float32) for i in batch], True)
         token_mask = pad_sequence([torch.full((n,), float(not i.masked)) for n, i in zip(lengths, batch)], True)
-        out = policy_loss(
-            logprobs,
-            behaviour,
-            torch.tensor([i.advantage for i in batch]),
-            token_mask,
-            ref_logprobs=reference_logprobs(reference, batch, lc, temperature) if reference is not None else None,
-            decoupled=torch.tensor([i.decoupled for i in batch]),
-            **normalizers,
-            **loss_options,
-        )
+        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            positions = [
+                hidden[row, len(i.sample.prompt_tokens) - 1 : len(i.sample.prompt_tokens) - 1 + n]
+                for row, (i, n) in enumerate(zip(batch, lengths))
+            ]
+            lp_flat, ent_flat = chunked_logprobs(
+                torch.cat(positions), head, torch.cat(targets).to(device), lc.logprob_chunk_tokens, temperature
+            )
+            logprobs = pad_sequence(list(lp_flat.float().split(lengths)), batch_first=True)
+            reference_lp = reference_logprobs(reference, batch, lc, temperature) if reference is not None else None
+            out = policy_loss(
+                logprobs,
+                behaviour.to(device),
+                torch.tensor([i.advantage for i in batch], device=device),
+                token_mask.to(device),
+                ref_logprobs=reference_lp,
+                decoupled=torch.tensor([i.decoupled for i in batch], device=device),
+                **normalizers,
+                **loss_options,
+            )
         if torch.isfinite(out.loss):
             out.loss.backward()
         n_tokens = sum(i.loss_tokens for i in batch)
@@ -145,18 +150,19 @@ def reference_logprobs(
     reference: torch.nn.Module, batch: list[TrainItem], lc: LearnerConfig, temperature: float
 ) -> torch.Tensor:
     rows = []
+    head = reference.get_output_embeddings().weight
     for item in batch:
         ids = torch.as_tensor(np.concatenate([item.sample.prompt_tokens, item.sample.token_ids]))[None]
-        hidden = reference.get_decoder()(input_ids=ids).last_hidden_state[0]
+        hidden = reference.get_decoder()(input_ids=ids.to(head.device)).last_hidden_state[0]
         p, n = len(item.sample.prompt_tokens), len(item.sample.token_ids)
         lp, _ = chunked_logprobs(
             hidden[p - 1 : p - 1 + n],
-            reference.get_output_embeddings().weight,
-            torch.as_tensor(item.sample.token_ids),
+            head,
+            torch.as_tensor(item.sample.token_ids, device=head.device),
             lc.logprob_chunk_tokens,
             temperature,
         )
-        rows.append(lp)
+        rows.append(lp.float())
     return pad_sequence(rows, batch_first=True)
 
 

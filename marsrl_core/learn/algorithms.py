@@ -60,9 +60,13 @@ class _ChunkedLogprob(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk_tokens: int, temperature: float):
         logps, entropies = [], []
         with torch.no_grad():
+            compute_weight = weight.to(hidden.dtype)  # bf16 hidden states from autocast, fp32 master weights
             for start in range(0, hidden.shape[0], chunk_tokens):
                 lp, ent = _chunk_logprobs(
-                    hidden[start : start + chunk_tokens], weight, targets[start : start + chunk_tokens], temperature
+                    hidden[start : start + chunk_tokens],
+                    compute_weight,
+                    targets[start : start + chunk_tokens],
+                    temperature,
                 )
                 logps.append(lp)
                 entropies.append(ent)
@@ -80,9 +84,10 @@ class _ChunkedLogprob(torch.autograd.Function):
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         )
+        compute_weight = weight.to(hidden.dtype)  # as in forward (backward runs outside autocast)
         for start in range(0, hidden.shape[0], chunk):
             h, t, g = hidden[start : start + chunk], targets[start : start + chunk], grad_logp[start : start + chunk]
-            probs = torch.softmax((h @ weight.T).float() / temperature, dim=-1)
+            probs = torch.softmax((h @ compute_weight.T).float() / temperature, dim=-1)
             grad_z = probs.mul_(-g[:, None])
             grad_z[torch.arange(len(t), device=t.device), t] += g
             grad_z.div_(temperature)

@@ -4,7 +4,8 @@ A run's checkpoints live under `checkpoint_root(output_dir, run_id)` (`<output_d
 A checkpoint of version v is the folder `<root>/v<v>` holding one `save_pretrained` folder per policy
 (`policy` when shared, else `solver`/`verifier`/`corrector`; `agent_folders` maps each agent to its
 model folder) and the trainer state: optimizer
-tensors and the torch RNG in `trainer_state.safetensors`, the rest (optimizer hyper-parameters,
+tensors, the torch RNG and the fp32 master weights under mixed precision (the model folders hold
+`model.dtype`) in `trainer_state.safetensors`, the rest (optimizer hyper-parameters,
 scheduler state, Python RNG, step) in `trainer_state.json`. Nothing is ever unpickled.
 
 It is written to a temporary folder and renamed into place when complete, so a folder named `v<v>`
@@ -74,8 +75,12 @@ def save_checkpoint(
     optimizers: dict[str, torch.optim.Optimizer],
     schedulers: dict[str, Any],
     step: int,
+    save_dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write everything to a temporary folder, then rename it to `<root>/v<version>`."""
+    """Write everything to a temporary folder, then rename it to `<root>/v<version>`. The model folders
+    hold the weights in `save_dtype` (what the engines load); when the trained weights are of another
+    dtype (fp32 masters under mixed precision), those go into the trainer state, so a resume restores
+    them exactly."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = version_folder(root, version)
@@ -88,7 +93,7 @@ def save_checkpoint(
         "schedulers": {},
     }
     for name, model in models.items():
-        model.save_pretrained(tmp / name, safe_serialization=True)
+        _save_model(model, tmp / name, save_dtype, tensors, name)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / name)
     for name, opt in optimizers.items():
@@ -112,6 +117,21 @@ def save_checkpoint(
     os.replace(tmp, final)
     _fsync_dir(root)
     return final
+
+
+def _save_model(model: Any, folder: Path, dtype: torch.dtype | None, tensors: dict[str, torch.Tensor], name: str):
+    params = dict(model.named_parameters())
+    if dtype is None or all(p.dtype == dtype for p in params.values()):
+        model.save_pretrained(folder, safe_serialization=True)
+        return
+    for key, param in params.items():
+        tensors[f"master.{name}.{key}"] = param.detach().contiguous().clone()
+    saved_dtype, model.config.dtype = model.config.dtype, dtype
+    try:
+        state = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    finally:
+        model.config.dtype = saved_dtype
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -151,7 +171,8 @@ def load_checkpoint(
             state = load_safetensors_state(folder / name)
         except Exception as err:
             raise CheckpointError(f"checkpoint {str(folder / name)!r}: {err}") from None
-        model.load_state_dict(state, strict=False)
+        masters = {k[len(f"master.{name}.") :]: v for k, v in tensors.items() if k.startswith(f"master.{name}.")}
+        model.load_state_dict(state | masters, strict=False)
     for name, opt in optimizers.items():
         saved = meta["optimizers"][name]
         state: dict[int, dict[str, Any]] = {}

@@ -38,6 +38,14 @@ from typing import Any
 import torch
 
 from marsrl_core.config import MarsRLConfig
+from marsrl_core.devices import (
+    attn_implementation,
+    compute_dtype,
+    master_dtype,
+    peak_memory_gb,
+    reset_peak_memory,
+    resolve_device,
+)
 from marsrl_core.learn.agent_loss import TrainItem, backward, loss_normalizers
 from marsrl_core.learn.algorithms import group_advantages
 from marsrl_core.learn.checkpoint import (
@@ -75,10 +83,10 @@ class StepReport:
     skipped_nonfinite: bool = False
 
 
-def _load_model(folder: Path, cfg: MarsRLConfig):
+def _load_model(folder: Path, cfg: MarsRLConfig, dtype: torch.dtype, device: torch.device):
     from marsrl_core.engines.hf import load_model_folder
 
-    model = load_model_folder(folder, cfg.model.dtype)
+    model = load_model_folder(folder, dtype, device, attn_implementation(cfg.model.attn_implementation, device))
     if cfg.learner.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -100,7 +108,9 @@ class Learner:
         self.checkpoint_root = Path(checkpoint_root)
         self.tokenizer = tokenizer
         names = policy_names(per_agent=cfg.learner.policies == "per_agent")
-        self.models = {name: _load_model(start_folder, cfg) for name in names}
+        self.device = resolve_device(cfg.model.device)
+        self.autocast = compute_dtype(cfg)
+        self.models = {name: _load_model(start_folder, cfg, master_dtype(cfg), self.device) for name in names}
         lc = cfg.learner
         self.optimizers = {
             name: torch.optim.AdamW(m.parameters(), lr=lc.learning_rate, weight_decay=lc.weight_decay)
@@ -111,7 +121,8 @@ class Learner:
             name: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
             for name, opt in self.optimizers.items()
         }
-        self.reference = _load_model(start_folder, cfg).eval() if lc.beta > 0 else None
+        reference_dtype = getattr(torch, cfg.model.dtype)  # frozen: no master copy needed
+        self.reference = _load_model(start_folder, cfg, reference_dtype, self.device).eval() if lc.beta > 0 else None
         # The loss's settings (`learner.*`), passed to `algorithms.policy_loss` on every micro-batch.
         self.loss_options = {
             "epsilon": lc.epsilon,
@@ -180,6 +191,7 @@ class Learner:
 
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
+        reset_peak_memory(self.device)
         metrics: dict[str, dict[str, float]] = {}
         nonfinite = False
         normalizers = loss_normalizers(per_agent, self.policy_name, lc.agent_weighting)
@@ -193,6 +205,7 @@ class Learner:
                 reference=self.reference,
                 temperature=self.temperature,
                 step=self.step,
+                autocast=self.autocast,
             )
             nonfinite |= not math.isfinite(agent_metrics["loss"])
             metrics[agent] = agent_metrics
@@ -230,6 +243,8 @@ class Learner:
             )
             if "tokens" in m:
                 m["tokens_per_s"] = m["tokens"] / elapsed
+            if (peak := peak_memory_gb(self.device)) is not None:
+                m["peak_memory_gb"] = peak
         for agent, ids in dropped.items():
             metrics.setdefault(agent, {})["dropped_stale_samples"] = float(len(ids))
         consumed: dict[str, list[str]] = {}
@@ -258,7 +273,14 @@ class Learner:
     ) -> Path:
         """Checkpoint (complete before anything else), then one store transaction, then MLflow."""
         folder = save_checkpoint(
-            self.checkpoint_root, self.step, self.models, self.tokenizer, self.optimizers, self.schedulers, self.step
+            self.checkpoint_root,
+            self.step,
+            self.models,
+            self.tokenizer,
+            self.optimizers,
+            self.schedulers,
+            self.step,
+            save_dtype=getattr(torch, self.cfg.model.dtype),
         )
         mlflow_run = self.tracker.run_id if self.tracker is not None else None
         crash_point("checkpoint.commit")

@@ -61,9 +61,16 @@ def policy_folder(cfg: MarsRLConfig) -> Path:
 def make_engine(cfg: MarsRLConfig, folder: Path):
     """The configured engine serving the policy in `folder` (for `openai`, the server serves it)."""
     if cfg.engine.name == "hf":
+        from marsrl_core.devices import attn_implementation, resolve_device
         from marsrl_core.engines.hf import HFEngine
 
-        return HFEngine.from_pretrained(folder, dtype=cfg.model.dtype)
+        device = resolve_device(cfg.model.device)
+        return HFEngine.from_pretrained(
+            folder,
+            dtype=cfg.model.dtype,
+            device=device,
+            attn=attn_implementation(cfg.model.attn_implementation, device),
+        )
     if cfg.engine.name == "vllm":
         from marsrl_core.engines.vllm import VLLMEngine
 
