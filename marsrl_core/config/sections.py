@@ -208,6 +208,21 @@ class LearnerConfig(_Section):
         "(accelerate's `mixed_precision`); 'native': train and compute in `model.dtype` itself; 'auto': 'bf16' "
         "when `model.dtype` is a half type, else 'native'. Training bf16 weights directly loses updates of lr ~1e-6.",
     )
+    fsdp: bool = Field(
+        False,
+        description="With several learner ranks: shard parameters, gradients and optimizer state per decoder "
+        "layer with FSDP2 (`fully_shard`, ZeRO-3); off, each rank holds the whole model and gradients are "
+        "summed over ranks (data parallel). One process ignores it.",
+    )
+    fsdp_cpu_offload: bool = Field(
+        False, description="FSDP2: keep parameters, gradients and optimizer state on the CPU between uses."
+    )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Several learner ranks: seconds a collective waits before the step fails (a rank that "
+        "died or hangs must not hang the run).",
+    )
     groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
     downstream_groups_per_step: int | None = Field(
         None,

@@ -7,10 +7,8 @@ them, the loss of `algorithms.policy_loss` back-propagated, and the step's metri
 - `loss_normalizers`: the token and sequence counts an agent's loss is divided by, from how a policy
   weighs the agents that share it (`agent_weighting`), summed over the step's micro-batches so that
   the step's gradient does not depend on how its samples were packed.
-- `backward`: forward, chunked log-probs, loss and backward per micro-batch of at most
-  `micro_batch_tokens` tokens.
-
-Deliberate simplification: the reference model (`beta > 0`) is run one sample at a time.
+- `backward`: forward (`scoring.TokenScorer`: chunked log-probs), loss and backward per micro-batch
+  of at most `micro_batch_tokens` tokens; returns sums that ranks add before `finish_metrics`.
 """
 
 from __future__ import annotations
@@ -19,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from marsrl_core.config import LearnerConfig
-from marsrl_core.learn.algorithms import chunked_logprobs, policy_loss
+from marsrl_core.learn.algorithms import policy_loss
+from marsrl_core.learn.scoring import PackedBatch
 from marsrl_core.store import StoredSample
 
 
@@ -61,57 +59,59 @@ def loss_normalizers(
     return out
 
 
+SUMMED = ("loss", "clip_fraction", "clip_low", "clip_high", "dual_clip", "kl", "entropy", "entropy_tokens", "ratio_sum")
+SUMMED += ("tokens", "staleness_sum", "staleness_count", "advantage_sum", "advantage_sq_sum", "advantage_count")
+MAXED = ("ratio_max", "staleness_max", "advantage_abs_max")
+
+
 def backward(
-    model: torch.nn.Module,
+    scorer: torch.nn.Module,
     items: list[TrainItem],
     normalizers: dict[str, float],
     loss_options: dict[str, Any],
     lc: LearnerConfig,
     *,
     reference: torch.nn.Module | None,
-    temperature: float,
     step: int,
     autocast: torch.dtype | None = None,
+    min_batches: int = 0,
+    filler: TrainItem | None = None,
 ) -> dict[str, float]:
-    """Accumulate the gradient of `items`' loss into `model`; returns the agent's step metrics.
-    Batches go to the model's device; forward and loss run under `autocast` when it is set."""
-    decoder, head = model.get_decoder(), model.get_output_embeddings().weight
-    device = head.device
-    total_tokens = sum(i.loss_tokens for i in items)
-    sums = ("loss", "clip_fraction", "clip_low", "clip_high", "dual_clip", "kl", "entropy", "ratio_sum")
-    totals = dict.fromkeys((*sums, "entropy_tokens"), 0.0)
-    ratio_max, staleness = 0.0, []
-    for batch in pack(items, lc.micro_batch_tokens):
-        seqs = [torch.as_tensor(np.concatenate([i.sample.prompt_tokens, i.sample.token_ids])) for i in batch]
-        input_ids = pad_sequence(seqs, batch_first=True, padding_value=0).to(device)
-        mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True).to(device)
-        targets = [torch.as_tensor(i.sample.token_ids, dtype=torch.long) for i in batch]
-        lengths = [len(t) for t in targets]
+    """Accumulate the gradient of `items`' loss into the scorer's model (`scoring.TokenScorer`); returns
+    the agent's sums and maxima (`finish_metrics` turns them into metrics; ranks add theirs first).
+    Batches go to the model's device; forward and loss run under `autocast` when it is set. Past its own
+    micro-batches, a rank runs `filler` with zero weight until it has run `min_batches`, so that every
+    rank of a sharded model runs as many forwards and backwards (each one is a collective)."""
+    device = scorer.model.get_output_embeddings().weight.device
+    totals = dict.fromkeys(SUMMED + MAXED, 0.0)
+    own = pack(items, lc.micro_batch_tokens)
+    batches = own + [[filler]] * max(0, min_batches - len(own))
+    for index, batch in enumerate(batches):
+        weight = float(index < len(own))
+        packed = PackedBatch.build([i.sample.prompt_tokens for i in batch], [i.sample.token_ids for i in batch], device)
         behaviour = pad_sequence([torch.as_tensor(i.sample.logprobs, dtype=torch.float32) for i in batch], True)
-        token_mask = pad_sequence([torch.full((n,), float(not i.masked)) for n, i in zip(lengths, batch)], True)
+        token_mask = pad_sequence(
+            [torch.full((n,), float(not i.masked) * weight) for n, i in zip(packed.lengths, batch)], True
+        )
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            hidden = decoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
-            positions = [
-                hidden[row, len(i.sample.prompt_tokens) - 1 : len(i.sample.prompt_tokens) - 1 + n]
-                for row, (i, n) in enumerate(zip(batch, lengths))
-            ]
-            lp_flat, ent_flat = chunked_logprobs(
-                torch.cat(positions), head, torch.cat(targets).to(device), lc.logprob_chunk_tokens, temperature
-            )
-            logprobs = pad_sequence(list(lp_flat.float().split(lengths)), batch_first=True)
-            reference_lp = reference_logprobs(reference, batch, lc, temperature) if reference is not None else None
+            logprobs, entropy = scorer(packed)
+            ref = None
+            if reference is not None:
+                with torch.no_grad():
+                    ref = reference(packed)[0]
             out = policy_loss(
                 logprobs,
                 behaviour.to(device),
                 torch.tensor([i.advantage for i in batch], device=device),
                 token_mask.to(device),
-                ref_logprobs=reference_lp,
+                ref_logprobs=ref,
                 decoupled=torch.tensor([i.decoupled for i in batch], device=device),
                 **normalizers,
                 **loss_options,
             )
-        if torch.isfinite(out.loss):
-            out.loss.backward()
+        out.loss.backward()  # a non-finite loss gives non-finite gradients: the step then skips its update
+        if not weight:
+            continue
         n_tokens = sum(i.loss_tokens for i in batch)
         totals["loss"] += float(out.loss.detach())
         totals["clip_fraction"] += out.clip_fraction * n_tokens
@@ -119,51 +119,44 @@ def backward(
         totals["clip_high"] += out.clip_high_fraction * n_tokens
         totals["dual_clip"] += out.dual_clip_fraction * n_tokens
         totals["kl"] += out.kl * n_tokens
-        totals["entropy"] += float(ent_flat.detach().sum())  # a metric of the policy: over every token
-        totals["entropy_tokens"] += sum(lengths)
+        totals["entropy"] += float(entropy.detach().sum())  # a metric of the policy: over every token
+        totals["entropy_tokens"] += sum(packed.lengths)
         totals["ratio_sum"] += out.ratio_mean * n_tokens
-        ratio_max = max(ratio_max, out.ratio_max)
-        staleness += [step - int(i.sample.versions.min()) for i in batch if len(i.sample.versions)]
-    adv = np.array([i.advantage for i in items])
-    n = max(1, total_tokens)
+        totals["tokens"] += n_tokens
+        totals["ratio_max"] = max(totals["ratio_max"], out.ratio_max)
+        staleness = [step - int(i.sample.versions.min()) for i in batch if len(i.sample.versions)]
+        totals["staleness_sum"] += sum(staleness)
+        totals["staleness_count"] += len(staleness)
+        totals["staleness_max"] = max([totals["staleness_max"], *staleness])
+        for i in batch:
+            totals["advantage_sum"] += i.advantage
+            totals["advantage_sq_sum"] += i.advantage**2
+            totals["advantage_count"] += 1
+            totals["advantage_abs_max"] = max(totals["advantage_abs_max"], abs(i.advantage))
+    return totals
+
+
+def finish_metrics(t: dict[str, float]) -> dict[str, float]:
+    """An agent's step metrics from its (all ranks') sums and maxima."""
+    n, count = max(1.0, t["tokens"]), max(1.0, t["advantage_count"])
+    mean = t["advantage_sum"] / count
     return {
-        "loss": totals["loss"],
-        "clip_fraction": totals["clip_fraction"] / n,
-        "clip_low_fraction": totals["clip_low"] / n,
-        "clip_high_fraction": totals["clip_high"] / n,
-        "dual_clip_fraction": totals["dual_clip"] / n,
-        "kl": totals["kl"] / n,
-        "entropy": totals["entropy"] / max(1, totals["entropy_tokens"]),
-        "ratio_mean": totals["ratio_sum"] / n,
-        "ratio_max": ratio_max,
-        "advantage_mean": float(adv.mean()),
-        "advantage_std": float(adv.std()),
-        "advantage_abs_max": float(np.abs(adv).max()),
-        "tokens": float(total_tokens),
-        "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
-        "staleness_max": float(max(staleness)) if staleness else 0.0,
+        "loss": t["loss"],
+        "clip_fraction": t["clip_fraction"] / n,
+        "clip_low_fraction": t["clip_low"] / n,
+        "clip_high_fraction": t["clip_high"] / n,
+        "dual_clip_fraction": t["dual_clip"] / n,
+        "kl": t["kl"] / n,
+        "entropy": t["entropy"] / max(1.0, t["entropy_tokens"]),
+        "ratio_mean": t["ratio_sum"] / n,
+        "ratio_max": t["ratio_max"],
+        "advantage_mean": mean,
+        "advantage_std": max(0.0, t["advantage_sq_sum"] / count - mean**2) ** 0.5,
+        "advantage_abs_max": t["advantage_abs_max"],
+        "tokens": t["tokens"],
+        "staleness_mean": t["staleness_sum"] / max(1.0, t["staleness_count"]),
+        "staleness_max": t["staleness_max"],
     }
-
-
-@torch.no_grad()
-def reference_logprobs(
-    reference: torch.nn.Module, batch: list[TrainItem], lc: LearnerConfig, temperature: float
-) -> torch.Tensor:
-    rows = []
-    head = reference.get_output_embeddings().weight
-    for item in batch:
-        ids = torch.as_tensor(np.concatenate([item.sample.prompt_tokens, item.sample.token_ids]))[None]
-        hidden = reference.get_decoder()(input_ids=ids.to(head.device)).last_hidden_state[0]
-        p, n = len(item.sample.prompt_tokens), len(item.sample.token_ids)
-        lp, _ = chunked_logprobs(
-            hidden[p - 1 : p - 1 + n],
-            head,
-            torch.as_tensor(item.sample.token_ids, device=head.device),
-            lc.logprob_chunk_tokens,
-            temperature,
-        )
-        rows.append(lp.float())
-    return pad_sequence(rows, batch_first=True)
 
 
 def pack(items: list[TrainItem], budget: int) -> list[list[TrainItem]]:

@@ -76,11 +76,15 @@ def save_checkpoint(
     schedulers: dict[str, Any],
     step: int,
     save_dtype: torch.dtype | None = None,
+    full_states: dict[str, dict[str, torch.Tensor]] | None = None,
+    optimizer_shards: int = 0,
 ) -> Path:
     """Write everything to a temporary folder, then rename it to `<root>/v<version>`. The model folders
     hold the weights in `save_dtype` (what the engines load); when the trained weights are of another
     dtype (fp32 masters under mixed precision), those go into the trainer state, so a resume restores
-    them exactly."""
+    them exactly. Several ranks: `full_states` are the gathered weights of each model; a sharded
+    learner's ranks have each written their optimizer shard (`save_optimizer_shard`), and
+    `optimizer_shards` (their number) moves them into the folder."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = version_folder(root, version)
@@ -93,19 +97,19 @@ def save_checkpoint(
         "schedulers": {},
     }
     for name, model in models.items():
-        _save_model(model, tmp / name, save_dtype, tensors, name)
+        _save_model(model, tmp / name, save_dtype, tensors, name, (full_states or {}).get(name))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / name)
     for name, opt in optimizers.items():
-        state = opt.state_dict()
-        scalars: dict[str, dict[str, Any]] = {}
-        for index, entry in state["state"].items():
-            for key, value in entry.items():
-                if torch.is_tensor(value):
-                    tensors[f"opt.{name}.{index}.{key}"] = value.detach().contiguous().clone()
-                else:
-                    scalars.setdefault(str(index), {})[key] = value
-        meta["optimizers"][name] = {"param_groups": state["param_groups"], "scalars": scalars}
+        opt_tensors, meta["optimizers"][name] = _optimizer_state(name, opt)
+        if not optimizer_shards:
+            tensors.update(opt_tensors)
+    if optimizer_shards:
+        meta["optimizer_shards"] = optimizer_shards
+        shards = _shard_folder(root, version)
+        for rank in range(optimizer_shards):
+            shutil.move(shards / _shard_file(rank), tmp / _shard_file(rank))
+        shutil.rmtree(shards)
     for name, sched in schedulers.items():
         meta["schedulers"][name] = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
     crash_point("checkpoint.write")
@@ -119,17 +123,59 @@ def save_checkpoint(
     return final
 
 
-def _save_model(model: Any, folder: Path, dtype: torch.dtype | None, tensors: dict[str, torch.Tensor], name: str):
+def _optimizer_state(name: str, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer's tensors (this rank's shards of sharded ones) and its JSON part."""
+    from marsrl_core.learn.distributed import local
+
+    state = opt.state_dict()
+    tensors, scalars = {}, {}
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"opt.{name}.{index}.{key}"] = local(value).detach().cpu().contiguous().clone()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def _shard_folder(root: Path, version: int) -> Path:
+    return Path(root) / f"tmp-v{version}-shards"
+
+
+def _shard_file(rank: int) -> str:
+    return f"optimizer.rank{rank}.safetensors"
+
+
+def save_optimizer_shard(root: Path, version: int, rank: int, optimizers: dict[str, torch.optim.Optimizer]) -> None:
+    """A sharded learner's rank writes its optimizer shards for version `version` (rank 0's
+    `save_checkpoint` then moves every rank's file into the checkpoint)."""
+    tensors = {}
+    for name, opt in optimizers.items():
+        tensors.update(_optimizer_state(name, opt)[0])
+    folder = _shard_folder(root, version)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / _shard_file(rank)))
+
+
+def _save_model(
+    model: Any,
+    folder: Path,
+    dtype: torch.dtype | None,
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    state: dict[str, torch.Tensor] | None = None,
+):
     params = dict(model.named_parameters())
+    state = state if state is not None else {k: v.detach() for k, v in model.state_dict().items()}
     if dtype is None or all(p.dtype == dtype for p in params.values()):
-        model.save_pretrained(folder, safe_serialization=True)
+        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
         return
-    for key, param in params.items():
-        tensors[f"master.{name}.{key}"] = param.detach().contiguous().clone()
+    for key in params:
+        tensors[f"master.{name}.{key}"] = state[key].contiguous().clone()
     saved_dtype, model.config.dtype = model.config.dtype, dtype
     try:
-        state = {k: v.detach().to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
-        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        model.save_pretrained(folder, state_dict=cast, safe_serialization=True)
     finally:
         model.config.dtype = saved_dtype
 
@@ -153,9 +199,16 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def load_checkpoint(
-    folder: Path, models: dict[str, Any], optimizers: dict[str, torch.optim.Optimizer], schedulers: dict[str, Any]
+    folder: Path,
+    models: dict[str, Any],
+    optimizers: dict[str, torch.optim.Optimizer],
+    schedulers: dict[str, Any],
+    rank: int | None = None,
+    world_size: int = 1,
 ) -> int:
-    """Restore weights, optimizers, schedulers and RNG from `folder`; returns the step."""
+    """Restore weights, optimizers, schedulers and RNG from `folder`; returns the step. A sharded
+    learner (`rank` set) puts the whole weights into its shards and reads its own optimizer shard,
+    which needs the world size the checkpoint was written with."""
     from marsrl_core.engines.hf import load_safetensors_state, read_safetensors
 
     folder = Path(folder)
@@ -166,13 +219,23 @@ def load_checkpoint(
         tensors = read_safetensors(folder / STATE_TENSORS)
     except Exception as err:
         raise CheckpointError(f"checkpoint {str(folder)!r}: trainer state cannot be read ({err})") from None
+    shards = meta.get("optimizer_shards", 0)
+    if shards != (world_size if rank is not None else 0):
+        written = f"a learner sharded over {shards} ranks" if shards else "an unsharded learner"
+        reading = f"one sharded over {world_size} ranks" if rank is not None else "an unsharded one"
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r}: written by {written}, resumed by {reading}; its optimizer state "
+            f"cannot be resharded: resume with the same number of ranks and `learner.fsdp`"
+        )
+    if shards:
+        tensors |= read_safetensors(folder / _shard_file(rank))
     for name, model in models.items():
         try:
             state = load_safetensors_state(folder / name)
         except Exception as err:
             raise CheckpointError(f"checkpoint {str(folder / name)!r}: {err}") from None
         masters = {k[len(f"master.{name}.") :]: v for k, v in tensors.items() if k.startswith(f"master.{name}.")}
-        model.load_state_dict(state | masters, strict=False)
+        _load_weights(model, state | masters)
     for name, opt in optimizers.items():
         saved = meta["optimizers"][name]
         state: dict[int, dict[str, Any]] = {}
@@ -182,12 +245,42 @@ def load_checkpoint(
                 state.setdefault(int(match.group(1)), {})[match.group(2)] = value
         for index, scalars in saved["scalars"].items():
             state.setdefault(int(index), {}).update(scalars)
-        opt.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+        opt.load_state_dict({"state": _as_sharded(state, opt), "param_groups": saved["param_groups"]})
     for name, sched in schedulers.items():
         sched.load_state_dict(meta["schedulers"][name] | {"lr_lambdas": [None] * len(sched.lr_lambdas)})
     torch.set_rng_state(tensors["rng.torch"])
     random.setstate(_tupled(meta["python_rng"]))
     return int(meta["step"])
+
+
+def _load_weights(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Whole weights into a model, or into each rank's shards of a sharded one."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for key, param in model.state_dict(keep_vars=True).items():
+            if key not in state:
+                continue
+            value = state[key]
+            if isinstance(param, DTensor):
+                value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements)
+                param.to_local().copy_(value.to_local())
+            else:
+                param.copy_(value)
+
+
+def _as_sharded(state: dict[int, dict[str, Any]], opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """Optimizer tensors read from a shard file, as DTensors shaped like their sharded parameters."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for index, entry in state.items():
+        param = params[index]
+        if isinstance(param, DTensor):
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.shape == param.to_local().shape and value.dim():
+                    entry[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements)
+    return state
 
 
 def _version_folders(root: Path) -> list[tuple[int, Path]]:

@@ -46,7 +46,8 @@ from marsrl_core.devices import (
     reset_peak_memory,
     resolve_device,
 )
-from marsrl_core.learn.agent_loss import TrainItem, backward, loss_normalizers
+from marsrl_core.learn import distributed
+from marsrl_core.learn.agent_loss import MAXED, SUMMED, TrainItem, backward, finish_metrics, loss_normalizers, pack
 from marsrl_core.learn.algorithms import group_advantages
 from marsrl_core.learn.checkpoint import (
     SHARED_POLICY,
@@ -55,8 +56,10 @@ from marsrl_core.learn.checkpoint import (
     policy_names,
     prune_checkpoints,
     save_checkpoint,
+    save_optimizer_shard,
     version_folder,
 )
+from marsrl_core.learn.scoring import TokenScorer
 from marsrl_core.runtime.faults import crash_point
 from marsrl_core.store import SegmentStore, TrainableGroup
 
@@ -103,16 +106,29 @@ class Learner:
         checkpoint_root: Path,
         tokenizer: Any = None,
         tracker: Any = None,
+        ranks: distributed.Ranks | None = None,
     ):
         self.cfg, self.store, self.run_id, self.tracker = cfg, store, run_id, tracker
         self.checkpoint_root = Path(checkpoint_root)
         self.tokenizer = tokenizer
-        names = policy_names(per_agent=cfg.learner.policies == "per_agent")
+        self.ranks = ranks
+        lc = cfg.learner
         self.device = resolve_device(cfg.model.device)
         self.autocast = compute_dtype(cfg)
+        self.temperature = cfg.rollout.temperature or 1.0
+        self.sharded = ranks is not None and lc.fsdp
+        names = policy_names(per_agent=lc.policies == "per_agent")
         self.models = {name: _load_model(start_folder, cfg, master_dtype(cfg), self.device) for name in names}
-        lc = cfg.learner
-        self.optimizers = {
+        self.scorers = {name: self._scorer(m) for name, m in self.models.items()}
+        self.reference = None
+        if lc.beta > 0:  # frozen, so no fp32 master copy
+            frozen = _load_model(start_folder, cfg, getattr(torch, cfg.model.dtype), self.device).eval()
+            self.reference = self._scorer(frozen.requires_grad_(False))
+        if self.sharded:  # FSDP2 computes in bf16 itself (MixedPrecisionPolicy), so no autocast on top
+            for scorer in [*self.scorers.values(), *([self.reference] if self.reference is not None else [])]:
+                distributed.shard(scorer, self.device, self.autocast, lc.fsdp_cpu_offload)
+            self.autocast = None
+        self.optimizers = {  # after sharding: each rank's AdamW holds the state of its own shards
             name: torch.optim.AdamW(m.parameters(), lr=lc.learning_rate, weight_decay=lc.weight_decay)
             for name, m in self.models.items()
         }
@@ -121,8 +137,6 @@ class Learner:
             name: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
             for name, opt in self.optimizers.items()
         }
-        reference_dtype = getattr(torch, cfg.model.dtype)  # frozen: no master copy needed
-        self.reference = _load_model(start_folder, cfg, reference_dtype, self.device).eval() if lc.beta > 0 else None
         # The loss's settings (`learner.*`), passed to `algorithms.policy_loss` on every micro-batch.
         self.loss_options = {
             "epsilon": lc.epsilon,
@@ -133,9 +147,11 @@ class Learner:
             "tis_mode": lc.tis_mode,
             "clip_ratio_c": lc.clip_ratio_c,
         }
-        self.temperature = cfg.rollout.temperature or 1.0
         self.step = 0
         self.logged_version = 0  # newest version logged to MLflow
+
+    def _scorer(self, model) -> TokenScorer:
+        return TokenScorer(model, self.cfg.learner.logprob_chunk_tokens, self.temperature)
 
     def policy_name(self, agent: str) -> str:
         return SHARED_POLICY if SHARED_POLICY in self.models else agent
@@ -146,20 +162,29 @@ class Learner:
     # ------------------------------------------------------------------ resume
     def resume(self) -> int:
         """Restore the last committed version; returns the step to continue from (0 if none)."""
-        latest = self.store.latest_version(self.run_id)
-        clean_uncommitted(self.checkpoint_root, latest[0] if latest else None)
+        main = self.ranks is None or self.ranks.main
+        latest = self.store.latest_version(self.run_id) if main else None
+        if main:
+            clean_uncommitted(self.checkpoint_root, latest[0] if latest else None)
+        if self.ranks is not None:
+            latest = distributed.broadcast(latest)  # after the clean-up: no rank reads a removed folder
         if latest is None:
             return 0
         version, uri = latest
-        self.step = load_checkpoint(Path(uri), self.models, self.optimizers, self.schedulers)
+        shard = {"rank": self.ranks.rank, "world_size": self.ranks.world_size} if self.sharded else {}
+        self.step = load_checkpoint(Path(uri), self.models, self.optimizers, self.schedulers, **shard)
         if self.step != version:
             raise RuntimeError(f"checkpoint {uri!r}: holds step {self.step} but the store committed version {version}")
         return self.step
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, groups: Sequence[TrainableGroup]) -> StepReport:
+    def train_step(self, groups: Sequence[TrainableGroup] | None) -> StepReport:
+        """One step on `groups` (with several ranks, rank 0's groups; the others pass None)."""
         start = time.perf_counter()
         lc = self.cfg.learner
+        main = self.ranks is None or self.ranks.main
+        if self.ranks is not None:
+            groups = distributed.broadcast(list(groups) if main else None)
         dropped: dict[str, list[str]] = {}
         if lc.stale_groups == "drop":
             for g in groups:
@@ -167,7 +192,9 @@ class Learner:
                     dropped.setdefault(g.agent, []).extend(g.sample_ids)
             groups = [g for g in groups if not g.stale]
         ids = [sid for g in groups for sid in g.sample_ids]
-        samples = self.store.load_samples(self.run_id, ids)
+        samples = self.store.load_samples(self.run_id, ids) if main else None
+        if self.ranks is not None:
+            samples = distributed.broadcast(samples)
         per_agent: dict[str, list[TrainItem]] = {}
         stats: dict[str, dict[str, float]] = {}
         for g in groups:
@@ -192,30 +219,13 @@ class Learner:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
         reset_peak_memory(self.device)
-        metrics: dict[str, dict[str, float]] = {}
-        nonfinite = False
-        normalizers = loss_normalizers(per_agent, self.policy_name, lc.agent_weighting)
-        for agent, items in per_agent.items():
-            agent_metrics = backward(
-                self.model_for(agent),
-                items,
-                normalizers[agent],
-                self.loss_options,
-                lc,
-                reference=self.reference,
-                temperature=self.temperature,
-                step=self.step,
-                autocast=self.autocast,
-            )
-            nonfinite |= not math.isfinite(agent_metrics["loss"])
-            metrics[agent] = agent_metrics
-        trained = {self.policy_name(a) for a in per_agent}
+        metrics = self._accumulate_gradients(per_agent)
+        nonfinite = not all(math.isfinite(m["loss"]) for m in metrics.values())
+        trained = sorted({self.policy_name(a) for a in per_agent})
         norms = {}
         if not nonfinite:
             for name in trained:
-                norms[name] = float(
-                    torch.nn.utils.clip_grad_norm_(self.models[name].parameters(), self.cfg.learner.max_grad_norm)
-                )
+                norms[name] = self._clip_gradients(name)
                 for agent in per_agent:
                     if self.policy_name(agent) == name:
                         metrics[agent]["grad_norm"] = norms[name]
@@ -244,7 +254,7 @@ class Learner:
             if "tokens" in m:
                 m["tokens_per_s"] = m["tokens"] / elapsed
             if (peak := peak_memory_gb(self.device)) is not None:
-                m["peak_memory_gb"] = peak
+                m["peak_memory_gb"] = peak  # this rank's
         for agent, ids in dropped.items():
             metrics.setdefault(agent, {})["dropped_stale_samples"] = float(len(ids))
         consumed: dict[str, list[str]] = {}
@@ -254,15 +264,53 @@ class Learner:
         folder = self.publish(consumed, metrics, dropped)
         return StepReport(self.step, folder, consumed, metrics, nonfinite)
 
+    def _accumulate_gradients(self, per_agent: dict[str, list[TrainItem]]) -> dict[str, dict[str, float]]:
+        """Every agent's loss back-propagated (with several ranks, each its share of the samples, the
+        gradients then summed over ranks); returns the agents' metrics."""
+        lc = self.cfg.learner
+        normalizers = loss_normalizers(per_agent, self.policy_name, lc.agent_weighting)
+        totals = {}
+        for agent, items in per_agent.items():  # the same agents, in the same order, on every rank
+            mine, min_batches = items, 0
+            if self.ranks is not None:
+                sizes = [len(i.sample.prompt_tokens) + len(i.sample.token_ids) for i in items]
+                mine = distributed.split_by_tokens(items, sizes, self.ranks.world_size)[self.ranks.rank]
+                if self.sharded:  # every rank runs as many forwards and backwards (each is a collective)
+                    min_batches = distributed.max_over_ranks(len(pack(mine, lc.micro_batch_tokens)))
+            totals[agent] = backward(
+                self.scorers[self.policy_name(agent)],
+                mine,
+                normalizers[agent],
+                self.loss_options,
+                lc,
+                reference=self.reference,
+                step=self.step,
+                autocast=self.autocast,
+                min_batches=min_batches,
+                filler=items[0],
+            )
+        if self.ranks is not None:
+            totals = distributed.reduce_totals(totals, SUMMED, MAXED)
+            if not self.sharded:
+                for name in sorted({self.policy_name(a) for a in per_agent}):
+                    distributed.all_reduce_gradients(self.models[name])
+        return {agent: finish_metrics(t) for agent, t in totals.items()}
+
+    def _clip_gradients(self, name: str) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.models[name].parameters(), self.cfg.learner.max_grad_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
     def _check_finite(self, name: str) -> None:
         """After an update: a non-finite parameter fails the step, which is never published (the task's
-        retry rebuilds the learner from the last committed version)."""
-        for param_name, param in self.models[name].named_parameters():
-            if not torch.isfinite(param).all():
-                raise LearnerError(
-                    f"learner step {self.step + 1}: the update made {name}'s parameter {param_name} non-finite "
-                    f"(learning rate {self.optimizers[name].param_groups[0]['lr']:g}); nothing was published"
-                )
+        retry rebuilds the learner from the last committed version). Every rank checks its shards."""
+        bad = [n for n, p in self.models[name].named_parameters() if not torch.isfinite(distributed.local(p)).all()]
+        if self.ranks is not None and distributed.any_over_ranks(bool(bad)) and not bad:
+            bad = ["(on another rank)"]
+        if bad:
+            raise LearnerError(
+                f"learner step {self.step + 1}: the update made {name}'s parameter {bad[0]} non-finite "
+                f"(learning rate {self.optimizers[name].param_groups[0]['lr']:g}); nothing was published"
+            )
 
     # ------------------------------------------------------------------ publishing
     def publish(
@@ -271,7 +319,19 @@ class Learner:
         metrics: dict[str, dict[str, float]],
         dropped: dict[str, list[str]] | None = None,
     ) -> Path:
-        """Checkpoint (complete before anything else), then one store transaction, then MLflow."""
+        """Checkpoint (complete before anything else), then one store transaction, then MLflow. With
+        several ranks every rank takes part in gathering the weights (and writes its optimizer shard
+        when sharded); rank 0 writes the checkpoint and commits; the others wait for the commit."""
+        full_states, shards = None, 0
+        if self.ranks is not None:
+            full_states = {name: distributed.full_state_dict(m, self.ranks.main) for name, m in self.models.items()}
+            if self.sharded:
+                save_optimizer_shard(self.checkpoint_root, self.step, self.ranks.rank, self.optimizers)
+                shards = self.ranks.world_size
+            distributed.barrier()
+            if not self.ranks.main:
+                distributed.barrier()  # rank 0 has committed (or failed, and the collective times out)
+                return version_folder(self.checkpoint_root, self.step)
         folder = save_checkpoint(
             self.checkpoint_root,
             self.step,
@@ -281,6 +341,8 @@ class Learner:
             self.schedulers,
             self.step,
             save_dtype=getattr(torch, self.cfg.model.dtype),
+            full_states=full_states,
+            optimizer_shards=shards,
         )
         mlflow_run = self.tracker.run_id if self.tracker is not None else None
         crash_point("checkpoint.commit")
@@ -293,6 +355,8 @@ class Learner:
                 self.logged_version = self.step
         if self.cfg.learner.save_total_limit:  # only after the commit: the newest committed version stays
             prune_checkpoints(self.checkpoint_root, self.cfg.learner.save_total_limit)
+        if self.ranks is not None:
+            distributed.barrier()
         return folder
 
     def log_newest_checkpoint(self) -> None:

@@ -1,0 +1,164 @@
+"""Several learner ranks on torch.distributed: data parallel, or sharded with FSDP2 (`learner.fsdp`).
+
+Ranks are started by a launcher that sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and
+`MASTER_PORT`: `accelerate launch --config_file deployments/accelerate/<one-gpu|eight-gpus|two-nodes>.yaml`
+or `torchrun`. NCCL on GPUs, gloo on CPUs; every collective times out after
+`learner.collective_timeout_s`, so a rank that hangs or dies fails the step instead of hanging the run.
+
+One step on N ranks computes the update of one process on the same groups:
+- rank 0 alone reads the store; it broadcasts the step's groups and samples (`broadcast`);
+- every rank forms the same advantages and loss normalizers (global token and sequence counts), then
+  trains on its share of each agent's samples (`split_by_tokens`: balanced by tokens);
+- gradients are summed over ranks: `all_reduce_gradients` for a replicated model, FSDP2's
+  reduce-scatter (divide factor 1) for a sharded one; metric sums are added by `reduce_totals`;
+- rank 0 writes the consolidated checkpoint (`full_state_dict`) and commits the step.
+
+Sharding (`shard`): each decoder layer is one FSDP2 unit and the scorer the root (embeddings, final
+norm, output matrix); under mixed precision the units compute in bf16 and reduce gradients in fp32
+(`MixedPrecisionPolicy`); `learner.fsdp_cpu_offload` keeps parameters, gradients and optimizer
+state on the CPU between uses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BUCKET_ELEMENTS = 1 << 24  # gradients are summed in flat buckets of up to 16M elements
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world_size: int
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_ranks(timeout_s: float) -> Ranks | None:
+    """The process group the launcher described (None for one process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's `value` on every rank (the others pass anything)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def split_by_tokens(items: list, sizes: list[int], world_size: int) -> list[list]:
+    """Items dealt to ranks balanced by size (largest first to the least loaded rank); each rank's
+    share keeps the items' order. The same on every rank: it depends only on the sizes."""
+    loads, shares = [0] * world_size, [[] for _ in range(world_size)]
+    for index in sorted(range(len(items)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[rank] += sizes[index]
+        shares[rank].append(index)
+    return [[items[i] for i in sorted(share)] for share in shares]
+
+
+def max_over_ranks(value: int) -> int:
+    return int(_reduce(torch.tensor([value], dtype=torch.long), dist.ReduceOp.MAX).item())
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _reduce(t: torch.Tensor, op) -> torch.Tensor:
+    moved = t.to(_device())
+    dist.all_reduce(moved, op=op)
+    return moved.cpu()
+
+
+def any_over_ranks(flag: bool) -> bool:
+    return bool(_reduce(torch.tensor([float(flag)]), dist.ReduceOp.MAX).item())
+
+
+def reduce_totals(totals: dict[str, dict[str, float]], summed: tuple[str, ...], maxed: tuple[str, ...]):
+    """Each agent's metric sums added and maxima taken over ranks (every rank has the same agents)."""
+    out = {}
+    for agent in sorted(totals):
+        t = totals[agent]
+        sums = _reduce(torch.tensor([t[k] for k in summed], dtype=torch.float64), dist.ReduceOp.SUM)
+        maxima = _reduce(torch.tensor([t[k] for k in maxed], dtype=torch.float64), dist.ReduceOp.MAX)
+        out[agent] = dict(zip(summed, sums.tolist())) | dict(zip(maxed, maxima.tolist()))
+    return out
+
+
+def all_reduce_gradients(model: torch.nn.Module) -> None:
+    """Sum a replicated model's gradients over ranks (a rank without samples contributes zeros)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    for p in [*params, None]:
+        if p is not None and (not bucket or sum(g.numel() for g in bucket) + p.numel() <= BUCKET_ELEMENTS):
+            bucket.append(p.grad)
+            continue
+        if bucket:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat)
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(part.view_as(g))
+        bucket = [] if p is None else [p.grad]
+
+
+def shard(scorer: torch.nn.Module, device: torch.device, compute: torch.dtype | None, cpu_offload: bool):
+    """FSDP2 over all ranks: one unit per decoder layer, the scorer the root; gradients summed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    options = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for layer in scorer.model.get_decoder().layers:
+        fully_shard(layer, **options)
+    fully_shard(scorer, **options)
+    for module in scorer.modules():
+        if isinstance(module, FSDPModule):  # sum, not average: the loss is already normalised globally
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return scorer
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (itself unless it is sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_state_dict(model: torch.nn.Module, main: bool) -> dict[str, torch.Tensor]:
+    """The whole state dict on the CPU of rank 0 (every rank takes part in gathering sharded tensors;
+    the others get an empty dict)."""
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if main:
+            state[key] = value.detach().cpu()
+    return state

@@ -1,0 +1,40 @@
+"""One learner rank for tests/test_distributed.py, started by `torch.distributed.run`:
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/distributed_steps.py SPEC.json
+
+SPEC holds the config overrides, the model folder, the run, the checkpoint root, the steps' groups,
+`resume` and `limit` (the step to stop after). Rank 0 opens the store; every rank runs the learner's
+steps (after a resume, those past the committed version).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from marsrl_core.config import load_config
+from marsrl_core.learn.distributed import init_ranks
+from marsrl_core.learn.learner import Learner
+from marsrl_core.store import SegmentStore, TrainableGroup
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = load_config("tiny", None, spec["overrides"])
+    ranks = init_ranks(cfg.learner.collective_timeout_s)
+    store = SegmentStore.from_config(cfg.store) if ranks.main else None
+    tokenizer = AutoTokenizer.from_pretrained(spec["folder"])
+    learner = Learner(cfg, store, spec["run"], Path(spec["folder"]), Path(spec["checkpoints"]), tokenizer, ranks=ranks)
+    start = learner.resume() if spec.get("resume") else 0
+    for step_groups in spec["steps"][start : spec.get("limit")]:
+        groups = [TrainableGroup(g["group_id"], g["agent"], g["sample_ids"]) for g in step_groups]
+        learner.train_step(groups if ranks.main else None)
+    if store is not None:
+        store.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,145 @@
+"""A learner on two ranks (torch.distributed, gloo, started by `torch.distributed.run`) computes the
+update of one process on the same groups: data parallel and FSDP2, fp32, within 1e-5; the sharded
+learner's consolidated checkpoint loads with `from_pretrained` and into the `hf` engine and scores
+tokens as the one-process learner's model does; it resumes with the same number of ranks and says
+what happens with another."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from marsrl_core.config import load_config
+from marsrl_core.demo.tiny import build_tiny_model
+from marsrl_core.engines.hf import HFEngine, load_safetensors_state
+from marsrl_core.learn.checkpoint import CheckpointError, load_checkpoint
+from marsrl_core.learn.learner import Learner
+from marsrl_core.learn.scoring import PackedBatch, TokenScorer
+from marsrl_core.store import SegmentStore
+from tests.rollout_helpers import digit_fraction, sample_groups
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 2
+
+
+def _overrides(tmp_path, *extra):
+    return [
+        f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
+        f"store.data_path={tmp_path}/data",
+        "rollout.temperature=1.0",
+        "learner.learning_rate=1e-3",
+        "learner.warmup_steps=0",
+        "learner.max_grad_norm=0.5",  # clipping is on: the norm must be the global one
+        "learner.micro_batch_tokens=40",  # several micro-batches per rank, not as many on each
+        "learner.collective_timeout_s=120",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny model, and the same seeded groups of two agents under one run per learner."""
+    tmp = tmp_path_factory.mktemp("dist")
+    folder = build_tiny_model(tmp / "tiny", max_position_embeddings=128, seed=0)
+    cfg = load_config("tiny", None, _overrides(tmp))
+    store = SegmentStore.from_config(cfg.store)
+    engine = HFEngine.from_pretrained(folder)
+    steps: dict[str, list] = {}
+    for run in ("one", "dp", "fsdp", "fsdp-resume"):
+        steps[run] = []
+        for step in range(STEPS):
+            groups = []
+            for agent, prompt, tokens in (("solver", "S|", 12), ("verifier", "V|1+2|", 6)):
+                groups += sample_groups(
+                    engine, store, run, agent, prompt, groups=2, size=3, seed=step, reward_fn=digit_fraction,
+                    max_tokens=tokens,
+                )  # fmt: skip
+            steps[run].append([{"group_id": g.group_id, "agent": g.agent, "sample_ids": g.sample_ids} for g in groups])
+    one = Learner(cfg, store, "one", folder, tmp / "ckpt-one", engine.tokenizer)
+    from marsrl_core.store import TrainableGroup
+
+    for step_groups in steps["one"]:
+        one.train_step([TrainableGroup(g["group_id"], g["agent"], g["sample_ids"]) for g in step_groups])
+    store.close()
+    return {"tmp": tmp, "folder": folder, "steps": steps, "one": one}
+
+
+def _launch(setup, run, *extra, resume=False, limit=None):
+    tmp = setup["tmp"]
+    spec = {
+        "overrides": _overrides(tmp, *extra),
+        "folder": str(setup["folder"]),
+        "run": run,
+        "checkpoints": str(tmp / f"ckpt-{run}"),
+        "steps": setup["steps"][run],
+        "resume": resume,
+        "limit": limit,
+    }
+    path = tmp / f"spec-{run}.json"
+    path.write_text(json.dumps(spec))
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*cmd, str(ROOT / "tests" / "distributed_steps.py"), str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tmp / f"ckpt-{run}" / f"v{limit or STEPS}"
+
+
+def _trained(setup, mode):
+    """The final checkpoint of `mode`'s two-rank run (launched once per module)."""
+    if mode not in setup:
+        setup[mode] = _launch(setup, mode, f"learner.fsdp={mode == 'fsdp'}")
+    return setup[mode]
+
+
+def _max_diff(checkpoint: Path, model) -> float:
+    saved = load_safetensors_state(checkpoint / "policy")
+    return max(float((saved[k] - v.detach()).abs().max()) for k, v in model.state_dict().items() if k in saved)
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp"])
+def test_two_ranks_compute_the_one_process_update(setup, mode):
+    checkpoint = _trained(setup, mode)
+    one = setup["one"].models["policy"]
+    start = load_safetensors_state(setup["folder"])
+    moved = max(float((start[k] - v.detach()).abs().max()) for k, v in one.state_dict().items() if k in start)
+    diff = _max_diff(checkpoint, one)
+    print(f"{mode}: max |2 ranks - 1 process| = {diff:.2e} (the steps moved weights by up to {moved:.2e})")
+    assert moved > 1e-3 and diff <= 1e-5
+
+
+def test_a_sharded_checkpoint_is_a_whole_hugging_face_model(setup):
+    checkpoint = _trained(setup, "fsdp")
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint / "policy", use_safetensors=True)
+    engine = HFEngine.from_pretrained(checkpoint / "policy")
+    ids = engine.tokenizer("S|1+2|", add_special_tokens=False)["input_ids"]
+    batch = PackedBatch.build([ids[:3]], [ids[3:]], torch.device("cpu"))
+    with torch.no_grad():
+        reference = TokenScorer(setup["one"].models["policy"], 1024, 1.0)(batch)[0]
+        assert torch.allclose(TokenScorer(loaded, 1024, 1.0)(batch)[0], reference, atol=1e-5)
+        assert torch.allclose(TokenScorer(engine.model, 1024, 1.0)(batch)[0], reference, atol=1e-5)
+
+
+def test_a_sharded_learner_resumes_with_its_ranks_and_refuses_another_count(setup):
+    tmp = setup["tmp"]
+    _launch(setup, "fsdp-resume", "learner.fsdp=true", limit=1)
+    first = _launch(setup, "fsdp-resume", "learner.fsdp=true", resume=True)
+    # The resumed run trained only step 2, from the committed step 1: it ends where the uninterrupted one does.
+    assert _max_diff(first, setup["one"].models["policy"]) <= 1e-5
+    cfg = load_config("tiny", None, _overrides(tmp))
+    one = Learner(cfg, None, "x", setup["folder"], tmp / "unused")
+    with pytest.raises(CheckpointError, match="sharded over 2 ranks, resumed by an unsharded one"):
+        load_checkpoint(first, one.models, one.optimizers, one.schedulers)
