@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -124,23 +126,50 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def cmd_learn(args: argparse.Namespace) -> int:
     from flows.learner import learner_flow
     from flows.server import local_server
+    from marsrl_core.learn.distributed import init_ranks
     from marsrl_core.runtime import events
     from marsrl_core.runtime.context import runtime
+    from marsrl_core.runtime.policy import policy_folder
 
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # the same command on N ranks, started by torchrun
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+        argv = [a for i, a in enumerate(args.argv) if not _is_nproc(args.argv, i)]  # each rank is one process
+        return subprocess.call([*launcher, "-m", "flows.cli", *argv])
     cfg = absolute_paths(core_cli._config(args))  # as the learner flow records them
+    # The starting policy first: once torch.distributed is up, transformers writes model files on rank 0 only.
+    folder = policy_folder(cfg)
+    ranks = init_ranks(cfg.learner.collective_timeout_s)  # None in one process
+    if ranks is not None and not ranks.main:  # it trains its share of each step rank 0 starts
+        return _follow(cfg, args.run_id, folder, ranks)
     # Built before Prefect starts (under the run's one-learner lease, from its last checkpoint): a second
     # learner of the run or a bad checkpoint is one line, not a flow's traceback.
-    runtime().learner(cfg, args.run_id)
+    learner = runtime().learner(cfg, args.run_id)
     try:
         with local_server():
             steps = learner_flow(cfg, args.run_id, args.max_steps, idle_timeout_s=args.idle_timeout)
     except BaseException as err:
         runtime().end_tracker(args.run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
         raise
+    learner.stop_followers()
     runtime().end_tracker(args.run_id, "FINISHED")
     store = runtime().store(cfg)
     store.mark(args.run_id, events.STORE_LOCK_RETRIES, f"learner:{store.lock_retries}")
     core_cli.console.print(f"learner stopped after step {steps}")
+    return 0
+
+
+def _is_nproc(argv: list[str], i: int) -> bool:
+    return argv[i] == "--nproc" or argv[i].startswith("--nproc=") or (i > 0 and argv[i - 1] == "--nproc")
+
+
+def _follow(cfg, run_id: str, folder: Path, ranks) -> int:
+    """A learner rank > 0: no store, no MLflow, no Prefect; it resumes with rank 0 and follows it."""
+    from marsrl_core.learn.checkpoint import checkpoint_root
+    from marsrl_core.learn.learner import Learner
+
+    learner = Learner(cfg, None, run_id, folder, checkpoint_root(cfg.output_dir, run_id), ranks=ranks)
+    learner.resume()
+    learner.follow()
     return 0
 
 
@@ -188,6 +217,14 @@ def _learn_setup(parser: argparse.ArgumentParser) -> None:
     _run_id(True)(parser)
     parser.add_argument("--max-steps", type=int, default=None, help="Step budget (default learner.max_steps).")
     parser.add_argument("--idle-timeout", type=float, default=3600.0, help="Stop after this long without groups.")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="Learner ranks on this machine (started with torch.distributed.run; data parallel, or FSDP2 with "
+        "learner.fsdp=true). Several machines: start this command with `accelerate launch --config_file "
+        "deployments/accelerate/two-nodes.yaml -m flows.cli learn ...` on each.",
+    )
 
 
 def _serve_setup(parser: argparse.ArgumentParser) -> None:

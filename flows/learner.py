@@ -59,12 +59,15 @@ def learner_flow(
     rt, budget = runtime(), max_steps or config.learner.max_steps
     store = rt.store(config)
     step = rt.learner(config, run_id).step
+    # One process retries a failed step with a learner rebuilt from the last commit; with several ranks the
+    # others are inside the failed step's collectives, so the learner fails and is resumed as a whole.
+    retries = {"retries": 0} if rt.learner(config, run_id).ranks is not None else {}
     idle_since, finished, wait_s = time.monotonic(), False, poll_s
     while step < budget and not rt.interrupted(run_id):
         finished = store.has_event(run_id, events.ROLLOUTS_FINISHED)
         groups = work.ready_groups(config, run_id, flush=finished)
         if groups:
-            report = train_step.with_options(task_run_name=f"train-step-{step + 1}")(
+            report = train_step.with_options(task_run_name=f"train-step-{step + 1}", **retries)(
                 config, run_id, groups, flush=finished
             )
             step = rt.learner(config, run_id).step

@@ -163,7 +163,9 @@ def main(argv: Sequence[str] | None = None, extra_commands: dict | None = None) 
     from marsrl_core.learn.checkpoint import CheckpointError
     from marsrl_core.store import StoreError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(extra_commands)[0].parse_args(argv)
+    args.argv = argv  # a command that re-runs itself under a launcher (`learn --nproc`) passes them on
     try:
         return args.handler(args)
     except (ConfigError, StoreError, DatasetError, EngineError, CheckpointError) as err:

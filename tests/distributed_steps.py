@@ -3,8 +3,8 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed_steps.py SPEC.json
 
 SPEC holds the config overrides, the model folder, the run, the checkpoint root, the steps' groups,
-`resume` and `limit` (the step to stop after). Rank 0 opens the store; every rank runs the learner's
-steps (after a resume, those past the committed version).
+`resume` and `limit` (the step to stop after). Rank 0 opens the store and runs the steps (after a
+resume, those past the committed version); the other ranks follow it.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ def main(spec_path: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["folder"])
     learner = Learner(cfg, store, spec["run"], Path(spec["folder"]), Path(spec["checkpoints"]), tokenizer, ranks=ranks)
     start = learner.resume() if spec.get("resume") else 0
+    if not ranks.main:
+        learner.follow()
+        return
     for step_groups in spec["steps"][start : spec.get("limit")]:
-        groups = [TrainableGroup(g["group_id"], g["agent"], g["sample_ids"]) for g in step_groups]
-        learner.train_step(groups if ranks.main else None)
-    if store is not None:
-        store.close()
+        learner.train_step([TrainableGroup(g["group_id"], g["agent"], g["sample_ids"]) for g in step_groups])
+    learner.stop_followers()
+    store.close()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from marsrl_core.learn.checkpoint import CheckpointError, load_checkpoint
 from marsrl_core.learn.learner import Learner
 from marsrl_core.learn.scoring import PackedBatch, TokenScorer
 from marsrl_core.store import SegmentStore
+from tests.configs import process_config_file
 from tests.rollout_helpers import digit_fraction, sample_groups
 
 pytestmark = pytest.mark.slow
@@ -143,3 +144,40 @@ def test_a_sharded_learner_resumes_with_its_ranks_and_refuses_another_count(setu
     one = Learner(cfg, None, "x", setup["folder"], tmp / "unused")
     with pytest.raises(CheckpointError, match="sharded over 2 ranks, resumed by an unsharded one"):
         load_checkpoint(first, one.models, one.optimizers, one.schedulers)
+
+
+def test_a_two_rank_learner_process_trains_a_split_run(tmp_path):
+    """`marsrl learn --nproc 2` (FSDP2) beside a `marsrl rollout` process: the versions reach the step
+    budget, every committed checkpoint loads, and no sample is consumed twice."""
+    learner = {"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3}
+    learner |= {"warmup_steps": 0, "fsdp": True, "collective_timeout_s": 120}
+    path = process_config_file(tmp_path, "ranks", data={"num_batches": 12}, learner=learner)
+
+    def env(name):
+        return os.environ | {"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / f"prefect-{name}")}
+
+    marsrl = [sys.executable, "-m", "flows.cli"]
+    learn = subprocess.Popen(
+        [*marsrl, "learn", "--config", str(path), "--run-id", "ranks", "--idle-timeout", "240", "--nproc", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env("learner") | {"OMP_NUM_THREADS": "1"},
+    )
+    rollout = subprocess.run(
+        [*marsrl, "rollout", "--config", str(path), "--run-id", "ranks", "--finish"],
+        capture_output=True,
+        text=True,
+        env=env("rollout"),
+        timeout=600,
+    )
+    assert rollout.returncode == 0, rollout.stdout[-3000:] + rollout.stderr[-3000:]
+    out, _ = learn.communicate(timeout=600)
+    assert learn.returncode == 0, out[-3000:]
+    assert "learner stopped after step 3" in out
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    version, uri = store.latest_version("ranks")
+    assert version == 3
+    twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
+    assert twice.column("n")[0].as_py() == 0
+    HFEngine.from_pretrained(Path(uri) / "policy")  # the consolidated checkpoint of the sharded learner

@@ -32,30 +32,48 @@ import torch.distributed as dist
 BUCKET_ELEMENTS = 1 << 24  # gradients are summed in flat buckets of up to 16M elements
 
 
+FOLLOWER_WAIT_S = 7 * 24 * 3600.0  # how long ranks > 0 wait for rank 0's next step (it may idle for hours)
+
+
 @dataclass(frozen=True)
 class Ranks:
     rank: int
     world_size: int
+    control: Any = None  # a gloo group without a short timeout: rank 0 starts each step (or stops) on it
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
 
+_RANKS: Ranks | None = None
+
+
 def init_ranks(timeout_s: float) -> Ranks | None:
-    """The process group the launcher described (None for one process)."""
+    """The process group the launcher described (None for one process); collectives time out after
+    `timeout_s`, except the wait of ranks > 0 for the next step."""
+    global _RANKS
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    if not dist.is_initialized():
+    if _RANKS is None:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return Ranks(dist.get_rank(), dist.get_world_size())
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=FOLLOWER_WAIT_S))
+        _RANKS = Ranks(dist.get_rank(), dist.get_world_size(), control)
+    return _RANKS
 
 
-def broadcast(value: Any) -> Any:
+def current_ranks() -> Ranks | None:
+    """This process's ranks once `init_ranks` has run (None in one process)."""
+    return _RANKS
+
+
+def broadcast(value: Any, group: Any = None) -> Any:
     """Rank 0's `value` on every rank (the others pass anything)."""
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 

@@ -18,6 +18,10 @@ Groups flagged `stale` (older than `learner.max_staleness` policy versions, see 
 are dropped untrained (`stale_groups='drop'`: recorded as dropped, so they are never offered again)
 or trained on with decoupled PPO's correction (`stale_groups='correct'`).
 
+Several ranks (`distributed`; `marsrl learn --nproc N`, or a launcher): rank 0 runs `train_step` and
+starts each step on the others, which `follow()`; every rank trains its share of the samples and the
+summed gradients give the one-process update; rank 0 alone reads the store and commits.
+
 Policies: `shared` (one model for all roles, the paper) or `per_agent` (a model, AdamW and warm-up
 schedule per agent). `resume()` restarts from the last committed version (weights, optimizers,
 schedulers, RNG, step) and deletes checkpoint folders the store never committed.
@@ -178,13 +182,28 @@ class Learner:
         return self.step
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, groups: Sequence[TrainableGroup] | None) -> StepReport:
-        """One step on `groups` (with several ranks, rank 0's groups; the others pass None)."""
+    def train_step(self, groups: Sequence[TrainableGroup]) -> StepReport:
+        """One step on `groups` (with several ranks, on rank 0: it starts the step on the others)."""
+        if self.ranks is not None:
+            distributed.broadcast(list(groups), self.ranks.control)
+        return self._step(groups)
+
+    def follow(self) -> int:
+        """Ranks > 0: take part in every step rank 0 starts, until it stops them (`stop_followers`);
+        returns the last step."""
+        while (groups := distributed.broadcast(None, self.ranks.control)) is not None:
+            self._step(groups)
+        return self.step
+
+    def stop_followers(self) -> None:
+        """Rank 0, when it is done: the other ranks' `follow` returns."""
+        if self.ranks is not None:
+            distributed.broadcast(None, self.ranks.control)
+
+    def _step(self, groups: Sequence[TrainableGroup]) -> StepReport:
         start = time.perf_counter()
         lc = self.cfg.learner
         main = self.ranks is None or self.ranks.main
-        if self.ranks is not None:
-            groups = distributed.broadcast(list(groups) if main else None)
         dropped: dict[str, list[str]] = {}
         if lc.stale_groups == "drop":
             for g in groups:

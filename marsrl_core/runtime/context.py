@@ -104,6 +104,7 @@ class Runtime:
         when first built."""
         from transformers import AutoTokenizer
 
+        from marsrl_core.learn.distributed import current_ranks
         from marsrl_core.learn.learner import Learner
 
         with self._lock:
@@ -118,6 +119,7 @@ class Runtime:
                     checkpoint_root(cfg.output_dir, run_id),
                     AutoTokenizer.from_pretrained(folder),
                     self.tracker(cfg, run_id),
+                    ranks=current_ranks(),  # rank 0 of several: the others follow its steps
                 )
                 learner.resume()
                 if learner.step and learner.tracker.resumed:  # the interruption, on the run's MLflow run
