@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +74,15 @@ def setup(tmp_path_factory):
     return {"tmp": tmp, "folder": folder, "steps": steps, "one": one}
 
 
-def _launch(setup, run, *extra, resume=False, limit=None):
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(setup, run, *extra, resume=False, limit=None, launcher="torchrun"):
+    """Two ranks of tests/distributed_steps.py, started by torchrun or by `accelerate launch` with the
+    eight-GPU config of deployments/accelerate (two processes here)."""
     tmp = setup["tmp"]
     spec = {
         "overrides": _overrides(tmp, *extra),
@@ -88,6 +97,10 @@ def _launch(setup, run, *extra, resume=False, limit=None):
     path.write_text(json.dumps(spec))
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    if launcher == "accelerate":
+        config = ROOT / "deployments" / "accelerate" / "eight-gpus.yaml"
+        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config)]
+        cmd += ["--num_processes", "2", "--main_process_port", str(_free_port())]
     proc = subprocess.run(
         [*cmd, str(ROOT / "tests" / "distributed_steps.py"), str(path)],
         env=env,
@@ -137,7 +150,7 @@ def test_a_sharded_checkpoint_is_a_whole_hugging_face_model(setup):
 def test_a_sharded_learner_resumes_with_its_ranks_and_refuses_another_count(setup):
     tmp = setup["tmp"]
     _launch(setup, "fsdp-resume", "learner.fsdp=true", limit=1)
-    first = _launch(setup, "fsdp-resume", "learner.fsdp=true", resume=True)
+    first = _launch(setup, "fsdp-resume", "learner.fsdp=true", resume=True, launcher="accelerate")
     # The resumed run trained only step 2, from the committed step 1: it ends where the uninterrupted one does.
     assert _max_diff(first, setup["one"].models["policy"]) <= 1e-5
     cfg = load_config("tiny", None, _overrides(tmp))
@@ -181,3 +194,38 @@ def test_a_two_rank_learner_process_trains_a_split_run(tmp_path):
     twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
     assert twice.column("n")[0].as_py() == 0
     HFEngine.from_pretrained(Path(uri) / "policy")  # the consolidated checkpoint of the sharded learner
+
+
+def test_a_rank_killed_mid_step_takes_the_learner_down_and_the_run_resumes(tmp_path):
+    """Rank 1 is SIGKILLed after its update of step 2: the launcher stops rank 0 too, nothing of step 2
+    is committed; a new `marsrl learn --nproc 2` resumes from version 1 and reaches the budget, and no
+    sample is consumed twice."""
+    learner = {"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3}
+    learner |= {"warmup_steps": 0, "collective_timeout_s": 120}
+    path = process_config_file(tmp_path, "kill", data={"num_batches": 12}, learner=learner)
+    env = os.environ | {"PREFECT_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+    marsrl = [sys.executable, "-m", "flows.cli"]
+    learn = [*marsrl, "learn", "--config", str(path), "--run-id", "kill", "--idle-timeout", "240", "--nproc", "2"]
+    rollout = subprocess.Popen(
+        [*marsrl, "rollout", "--config", str(path), "--run-id", "kill", "--finish"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env | {"PREFECT_HOME": str(tmp_path / "prefect-rollout")},
+    )
+    learner_env = env | {"PREFECT_HOME": str(tmp_path / "prefect-learner")}
+    killed = subprocess.run(
+        learn, capture_output=True, text=True, timeout=600, env=learner_env | {"MARSRL_CRASH_AT": "learner.update:2@1"}
+    )
+    assert killed.returncode != 0
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    assert store.latest_version("kill")[0] == 1  # step 2 died before its checkpoint: nothing of it committed
+    store.close()
+    resumed = subprocess.run(learn, capture_output=True, text=True, timeout=600, env=learner_env)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    out, _ = rollout.communicate(timeout=600)
+    assert rollout.returncode == 0, out[-3000:]
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    assert store.latest_version("kill")[0] == 3
+    twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
+    assert twice.column("n")[0].as_py() == 0

@@ -8,6 +8,8 @@ commit that publishes it (`checkpoint.commit`), and in the store's child process
 (`store.call`: every child the store process starts dies at its n-th call). With the variable unset
 a call is one dict lookup.
 
+`"name:n@r"` kills only the learner rank r (the process whose `RANK` is r) of a multi-rank learner.
+
 Deliberately simple: one point per process run, counted per process (a resumed process counts anew).
 """
 
@@ -26,7 +28,10 @@ def _target() -> tuple[str, int] | None:
     spec = os.environ.get("MARSRL_CRASH_AT")
     if not spec:
         return None
-    name, _, nth = spec.partition(":")
+    spec_point, _, rank = spec.partition("@")
+    name, _, nth = spec_point.partition(":")
+    if rank and os.environ.get("RANK", "0") != rank:
+        return None
     if name not in POINTS:
         raise ValueError(f"MARSRL_CRASH_AT={spec!r}: unknown crash point {name!r}; choose one of {POINTS}")
     return name, int(nth or 1)
