@@ -38,10 +38,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         core_cli.console.print(f"resuming run [bold]{args.resume}[/bold]")
     cfg = absolute_paths(cfg)  # as the flows record them: a learner built here writes the same checkpoint URIs
     work.check_inputs(cfg)  # one line and exit 2 on a bad dataset, before Prefect starts
-    if args.resume and runtime().store(cfg).latest_version(args.resume) is not None:
+    if args.resume and cfg.learner.nproc == 1 and runtime().store(cfg).latest_version(args.resume) is not None:
         # its last checkpoint is loaded now, before Prefect starts: a bad one is one line, not a flow's traceback
         runtime().learner(cfg, args.resume)
-    elif args.resume or args.run_id:  # one learner per run: refused here, in one line, if the run has one
+    elif (args.resume or args.run_id) and cfg.learner.nproc == 1:  # one learner per run: refused here if it has one
         runtime().lease(cfg, args.resume or args.run_id)
     start = time.perf_counter()
     with local_server():
@@ -131,11 +131,12 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from marsrl_core.runtime.context import runtime
     from marsrl_core.runtime.policy import policy_folder
 
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # the same command on N ranks, started by torchrun
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
+    cfg = absolute_paths(core_cli._config(args))  # as the learner flow records them
+    nproc = args.nproc or cfg.learner.nproc
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:  # the same command on N ranks, started by torchrun
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
         argv = [a for i, a in enumerate(args.argv) if not _is_nproc(args.argv, i)]  # each rank is one process
         return subprocess.call([*launcher, "-m", "flows.cli", *argv])
-    cfg = absolute_paths(core_cli._config(args))  # as the learner flow records them
     # The starting policy first: once torch.distributed is up, transformers writes model files on rank 0 only.
     folder = policy_folder(cfg)
     ranks = init_ranks(cfg.learner.collective_timeout_s)  # None in one process
@@ -220,10 +221,10 @@ def _learn_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--nproc",
         type=int,
-        default=1,
-        help="Learner ranks on this machine (started with torch.distributed.run; data parallel, or FSDP2 with "
-        "learner.fsdp=true). Several machines: start this command with `accelerate launch --config_file "
-        "deployments/accelerate/two-nodes.yaml -m flows.cli learn ...` on each.",
+        default=None,
+        help="Learner ranks on this machine, default learner.nproc (started with torch.distributed.run; data "
+        "parallel, or FSDP2 with learner.fsdp=true). Several machines: on each, `accelerate launch "
+        "--config_file deployments/accelerate/two-nodes.yaml -m flows.cli learn ...`.",
     )
 
 

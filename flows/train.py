@@ -2,7 +2,9 @@
 learner flow run concurrently, meeting only through the store; then an evaluation of the result.
 With `sft.enabled` (the tiny preset) the policy is first warm-started by the sft flow (cached).
 With `rollout.synchronous` (the ablation baseline) batches are decoded whole, one at a time, and the
-learner trains on each batch before the next one starts. The per-agent reward curves go to MLflow.
+learner trains on each batch before the next one starts. With `learner.nproc` > 1 the learner runs as
+a `marsrl learn` process group of that many ranks beside the rollouts. The per-agent reward curves go
+to MLflow.
 
 Run again with the same `run_id` (`marsrl train --resume RUN`), it continues a killed run: an
 evaluation already recorded is not repeated, finished batches are skipped, an unfinished batch resumes
@@ -13,21 +15,26 @@ their next stage and its learner before its next step."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.settings import get_current_settings
 
 from flows.evaluate import evaluate_flow
 from flows.learner import learner_flow
 from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
 from flows.subflows import in_thread, parent_heartbeat_only
-from marsrl_core.config import MarsRLConfig, absolute_paths, default_config, with_overrides
+from marsrl_core.config import MarsRLConfig, absolute_paths, config_to_yaml, default_config, with_overrides
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 from marsrl_core.runtime.report import report_markdown
@@ -89,6 +96,8 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
                 break
         store.mark(run_id, events.ROLLOUTS_FINISHED)
         result["learner_steps"] = steps = learner_flow(config, run_id)
+    elif config.learner.nproc > 1:  # the learner's ranks in a process group of their own, beside the rollouts
+        result["learner_steps"] = steps = _train_beside_learner_process(config, run_id, pending)
     else:
         # Build the learner (model, optimizer, MLflow run: seconds, more on a busy machine) before any
         # rollout starts: rollouts that run ahead of a learner still starting up produce groups that
@@ -121,6 +130,35 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
         description=f"MarsRL run {run_id}: evaluation before and after training, reward curves",
     )
     return result
+
+
+def _train_beside_learner_process(config: MarsRLConfig, run_id: str, pending: list[int]) -> int:
+    """The rollouts here, the learner as `marsrl learn` on `learner.nproc` ranks (its output goes to this
+    process's), reporting to the same Prefect API; they meet through the store and the checkpoints.
+    Returns the learner's last committed step. A learner whose ranks start later than an in-process one
+    leaves the first rollouts' groups older when it begins (`learner.max_staleness` drops them)."""
+    store = runtime().store(config)
+    path = Path(config.output_dir) / "runs" / f"{run_id}-learner.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_to_yaml(config))
+    env = os.environ | {"PREFECT_API_URL": str(get_current_settings().api.url)}
+    command = [sys.executable, "-m", "flows.cli", "learn", "--config", str(path), "--run-id", run_id]
+    learner = subprocess.Popen(command, env=env)
+    try:
+        run_batches(config, run_id, pending, stop=lambda: learner.poll() is not None)
+        if learner.poll() in (None, 0) and not store.has_event(run_id, events.ROLLOUTS_FINISHED):
+            store.mark(run_id, events.ROLLOUTS_FINISHED)
+        if code := learner.wait():
+            raise RuntimeError(
+                f"run {run_id}: the learner process ({config.learner.nproc} ranks) exited with status {code} "
+                f"(its output is above); `marsrl train --resume {run_id}` continues from its last commit"
+            )
+    except BaseException:
+        learner.terminate()  # torch.distributed.run passes the signal on to the ranks
+        learner.wait(timeout=120)
+        raise
+    latest = store.latest_version(run_id)
+    return latest[0] if latest else 0
 
 
 def artifact_key(run_id: str) -> str:

@@ -159,40 +159,35 @@ def test_a_sharded_learner_resumes_with_its_ranks_and_refuses_another_count(setu
         load_checkpoint(first, one.models, one.optimizers, one.schedulers)
 
 
-def test_a_two_rank_learner_process_trains_a_split_run(tmp_path):
-    """`marsrl learn --nproc 2` (FSDP2) beside a `marsrl rollout` process: the versions reach the step
-    budget, every committed checkpoint loads, and no sample is consumed twice."""
+def test_marsrl_train_with_a_two_rank_learner(tmp_path):
+    """`marsrl train` with `learner.nproc=2` (FSDP2): its learner runs as `marsrl learn` on two ranks
+    beside the rollouts; the versions reach the step budget, both evaluations are recorded, the last
+    checkpoint loads, and no sample is consumed twice."""
     learner = {"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3}
-    learner |= {"warmup_steps": 0, "fsdp": True, "collective_timeout_s": 120}
-    path = process_config_file(tmp_path, "ranks", data={"num_batches": 12}, learner=learner)
-
-    def env(name):
-        return os.environ | {"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / f"prefect-{name}")}
-
-    marsrl = [sys.executable, "-m", "flows.cli"]
-    learn = subprocess.Popen(
-        [*marsrl, "learn", "--config", str(path), "--run-id", "ranks", "--idle-timeout", "240", "--nproc", "2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env("learner") | {"OMP_NUM_THREADS": "1"},
+    learner |= {"warmup_steps": 0, "nproc": 2, "fsdp": True, "collective_timeout_s": 120}
+    path = process_config_file(
+        tmp_path,
+        "ranks",
+        data={"num_batches": 12},
+        learner=learner,
+        evaluation={"num_problems": 2, "k": 1, "max_rounds": 1},
+        sft={"enabled": False},
     )
-    rollout = subprocess.run(
-        [*marsrl, "rollout", "--config", str(path), "--run-id", "ranks", "--finish"],
-        capture_output=True,
-        text=True,
-        env=env("rollout"),
-        timeout=600,
-    )
-    assert rollout.returncode == 0, rollout.stdout[-3000:] + rollout.stderr[-3000:]
-    out, _ = learn.communicate(timeout=600)
-    assert learn.returncode == 0, out[-3000:]
-    assert "learner stopped after step 3" in out
-    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
-    version, uri = store.latest_version("ranks")
-    assert version == 3
-    twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
-    assert twice.column("n")[0].as_py() == 0
+    env = os.environ | {"PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_HOME": str(tmp_path / "prefect")}
+    marsrl = [sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--run-id", "ranks", "--results", ""]
+    run = subprocess.run(marsrl, capture_output=True, text=True, timeout=900, env=env | {"OMP_NUM_THREADS": "1"})
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    assert "learner stopped after step 3" in output and "run ranks: 3 learner steps" in output, output[-3000:]
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data", create=False)
+    try:
+        version, uri = store.latest_version("ranks")
+        assert version == 3
+        assert store.evaluation("ranks", "before") is not None and store.evaluation("ranks", "after") is not None
+        twice = "SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)"
+        assert store.query(twice).column("n")[0].as_py() == 0
+    finally:
+        store.close()
     HFEngine.from_pretrained(Path(uri) / "policy")  # the consolidated checkpoint of the sharded learner
 
 

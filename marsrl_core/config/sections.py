@@ -208,6 +208,13 @@ class LearnerConfig(_Section):
         "(accelerate's `mixed_precision`); 'native': train and compute in `model.dtype` itself; 'auto': 'bf16' "
         "when `model.dtype` is a half type, else 'native'. Training bf16 weights directly loses updates of lr ~1e-6.",
     )
+    nproc: int = Field(
+        1,
+        ge=1,
+        description="Learner ranks on this machine (torch.distributed). Above 1, `marsrl train` runs its "
+        "learner as a `marsrl learn --nproc N` process beside its rollouts (they meet through the store and "
+        "the checkpoints), and `marsrl learn` starts N ranks itself.",
+    )
     fsdp: bool = Field(
         False,
         description="With several learner ranks: shard parameters, gradients and optimizer state per decoder "
@@ -423,3 +430,12 @@ class MarsRLConfig(_Section):
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation and the V-C loop.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="The DuckLake segment store.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+
+    @model_validator(mode="after")
+    def _ranks_need_a_pipelined_run(self) -> MarsRLConfig:
+        if self.learner.nproc > 1 and self.rollout.synchronous:
+            raise ValueError(
+                f"learner.nproc={self.learner.nproc} needs the pipelined run: rollout.synchronous trains in the "
+                "rollouts' process, between batches"
+            )
+        return self

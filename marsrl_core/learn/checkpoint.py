@@ -132,7 +132,7 @@ def _optimizer_state(name: str, opt: torch.optim.Optimizer) -> tuple[dict[str, t
     for index, entry in state["state"].items():
         for key, value in entry.items():
             if torch.is_tensor(value):
-                tensors[f"opt.{name}.{index}.{key}"] = local(value).detach().cpu().contiguous().clone()
+                tensors[f"opt.{name}.{index}.{key}"] = local(value).detach().cpu().contiguous()  # no copy on the CPU
             else:
                 scalars.setdefault(str(index), {})[key] = value
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}

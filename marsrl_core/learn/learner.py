@@ -133,7 +133,8 @@ class Learner:
                 distributed.shard(scorer, self.device, self.autocast, lc.fsdp_cpu_offload)
             self.autocast = None
         self.optimizers = {  # after sharding: each rank's AdamW holds the state of its own shards
-            name: torch.optim.AdamW(m.parameters(), lr=lc.learning_rate, weight_decay=lc.weight_decay)
+            # fused: one kernel over all parameters, without the parameter-sized temporaries of `foreach`
+            name: torch.optim.AdamW(m.parameters(), lr=lc.learning_rate, weight_decay=lc.weight_decay, fused=True)
             for name, m in self.models.items()
         }
         warmup = lc.warmup_steps

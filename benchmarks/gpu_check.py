@@ -1,0 +1,184 @@
+"""The GPU check: the learner's update and the `hf` engine on one CUDA device, for a model shaped
+like Qwen2.5-0.5B built from a config (random weights: they do not change speed or memory).
+
+Runs on a bare machine (torch, transformers, safetensors, numpy): it imports only the project modules
+that need nothing else (`learn.scoring`, `learn.algorithms`, `learn.distributed`, `engines.hf`), so
+neither pydantic, Prefect, DuckDB nor MLflow has to be installed. What it measures:
+- the learner step as `Learner` runs it sharded: fp32 master weights and AdamW state, FSDP2
+  (`distributed.shard`) on a one-GPU NCCL group computing in bf16 and reducing gradients in fp32,
+  gradient checkpointing, chunked log-probs (`TokenScorer`), the PPO loss, clipping, AdamW; one
+  sequence of 4K, 16K and 64K tokens: train tokens/s and peak GPU memory per length;
+- the `hf` engine decoding a batch (bf16, sdpa): decode tokens/s;
+- the weight copy from the learner into the engine: gathering the sharded fp32 weights and loading
+  them into the engine in place (`update_weights` with a state dict), in seconds.
+
+Run: `bash benchmarks/gpu_check.sh` (under 8 minutes on one H100/H200-class GPU). Writes
+benchmarks/results/gpu.json (or $OUT/gpu.json when OUT is set). `--smoke` runs the same code on the CPU
+with a small model and short sequences (gloo), as a test of the script, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from marsrl_core.engines.base import SamplingParams, SegmentRequest  # noqa: E402
+from marsrl_core.engines.hf import HFEngine  # noqa: E402
+from marsrl_core.learn import distributed  # noqa: E402
+from marsrl_core.learn.algorithms import policy_loss  # noqa: E402
+from marsrl_core.learn.scoring import PackedBatch, TokenScorer  # noqa: E402
+
+QWEN25_05B = {  # Qwen2.5-0.5B's config.json shape
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 65536 + 1024,
+    "tie_word_embeddings": True,
+    "rope_theta": 1000000.0,
+}
+SMOKE = QWEN25_05B | {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+SMOKE |= {"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 2048}
+PROMPT_TOKENS = 512
+
+
+def build(shape: dict, device: torch.device, dtype: torch.dtype):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**shape)
+    config._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def learner_step(scorer, optimizer, length: int, vocab: int, device: torch.device) -> dict:
+    """One update on one sequence of `length` tokens (PROMPT_TOKENS of prompt); tokens/s and peak memory."""
+    generator = torch.Generator().manual_seed(length)
+    tokens = torch.randint(0, vocab, (length,), generator=generator).numpy()
+    batch = PackedBatch.build([tokens[:PROMPT_TOKENS]], [tokens[PROMPT_TOKENS:]], device)
+    n = length - PROMPT_TOKENS
+    behaviour = torch.full((1, n), -float(torch.log(torch.tensor(vocab))), device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    start = time.perf_counter()
+    logprobs, _ = scorer(batch)
+    out = policy_loss(
+        logprobs,
+        behaviour,
+        torch.tensor([1.0], device=device),
+        torch.ones(1, n, device=device),
+        token_normalizer=float(n),
+        sequence_normalizer=1.0,
+    )
+    out.loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(scorer.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return {
+        "tokens": length,
+        "train_tokens_per_s": length / elapsed,
+        "step_s": elapsed,
+        "peak_gb": peak,
+        "grad_norm": norm,
+    }
+
+
+def decode(engine: HFEngine, batch: int, prompt: int, new: int, vocab: int) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    requests = [
+        SegmentRequest(
+            torch.randint(0, vocab - 2, (prompt,), generator=generator).tolist(), (), new, SamplingParams(1.0, seed=i)
+        )
+        for i in range(batch)
+    ]
+    engine.decode_segment(requests[:2])  # warm-up (kernels, allocator)
+    sync(engine.device)
+    start = time.perf_counter()
+    results = engine.decode_segment(requests)
+    sync(engine.device)
+    elapsed = time.perf_counter() - start
+    return {
+        "batch": batch,
+        "prompt_tokens": prompt,
+        "new_tokens": new,
+        "decode_tokens_per_s": sum(len(r.token_ids) for r in results) / elapsed,
+    }
+
+
+def main(smoke: bool) -> dict:
+    cuda = torch.cuda.is_available() and not smoke
+    if not cuda and not smoke:
+        raise SystemExit("gpu_check: no CUDA device (use --smoke to run the script on the CPU)")
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    shape = SMOKE if smoke else QWEN25_05B
+    lengths = (1024, 2048) if smoke else (4096, 16384, 65536)
+    figures: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "model": shape}
+    figures |= {"torch": torch.__version__}
+
+    model = build(shape, device, torch.float32)  # fp32 master weights
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    scorer = distributed.shard(TokenScorer(model.train(), 4096, 1.0), device, torch.bfloat16, cpu_offload=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    figures["parameters_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+    figures["learner"] = []
+    for length in lengths:
+        row = learner_step(scorer, optimizer, length, shape["vocab_size"], device)
+        print(
+            f"learner {length:>6} tokens: {row['train_tokens_per_s']:,.0f} tokens/s, "
+            f"{row['step_s']:.2f} s, peak {row['peak_gb'] or 0:.1f} GB"
+        )
+        figures["learner"].append(row)
+
+    engine_model = build(shape, device, torch.bfloat16).eval()
+    engine_model.config.use_cache = True
+    engine = HFEngine(
+        engine_model, SimpleNamespace(eos_token_id=shape["vocab_size"] - 1, pad_token_id=shape["vocab_size"] - 2)
+    )
+    sync(device)
+    start = time.perf_counter()
+    state = distributed.full_state_dict(model, main=True)  # the sharded fp32 weights, whole, on the CPU
+    engine.update_weights(1, state)
+    sync(device)
+    figures["weight_copy_s"] = time.perf_counter() - start
+    print(f"weight copy learner -> engine: {figures['weight_copy_s']:.2f} s")
+    figures["decode"] = decode(
+        engine, 8 if smoke else 64, 64 if smoke else 512, 16 if smoke else 256, shape["vocab_size"]
+    )
+    print(f"decode: {figures['decode']['decode_tokens_per_s']:,.0f} tokens/s at batch {figures['decode']['batch']}")
+    dist.destroy_process_group()
+    return figures
+
+
+if __name__ == "__main__":
+    smoke = "--smoke" in sys.argv
+    figures = main(smoke)
+    if not smoke:
+        out = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).with_name("results")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu.json").write_text(json.dumps(figures, indent=2))
+        print(f"wrote {out / 'gpu.json'}")

@@ -1,0 +1,238 @@
+"""Learner scaling on the CPU: the same learner steps in one process and on two FSDP2 ranks (gloo),
+for a ~110M-parameter Llama-shaped model built from a config, whose parameters, gradients and AdamW
+state (about 1.8 GB in fp32) dominate its memory.
+
+Each learner runs in its own processes (`--worker`; the two ranks under torch.distributed.run, one
+thread each, so both set-ups use this machine's two cores). Memory is the anonymous resident set
+(tensors, not library code), sampled every 5 ms by a thread, minus its size before the learner was
+built: `peak_load_mb` while it loads and shards the model, `peak_train_mb` during its steps' forward,
+backward and AdamW update, `peak_checkpoint_mb` while it writes the checkpoint (rank 0 gathers the
+weights whole, every rank writes its optimizer shard). Both learners train on the same stored
+groups, so their checkpoints must hold the same parameters (`max_param_diff`).
+
+Run: `python benchmarks/learner_scale.py` (about 5 minutes). Writes benchmarks/results/learner_scale.json
+with fsdp2_peak_ratio (the larger rank's peak during the steps / the one process's),
+fsdp2_checkpoint_peak_ratio, max_param_diff, step_s, and the peaks per set-up and rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+STEPS = 2
+GROUPS, GROUP_SIZE = 4, 4  # per step
+PROMPT_TOKENS, RESPONSE_TOKENS = 64, 192
+VOCAB = 16000
+MODEL = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 2048}
+
+
+class ResidentPeak:
+    """The peak anonymous resident memory of this process (`RssAnon`: heap and anonymous mappings, where
+    tensors live; not the shared libraries' code, which grows as new kernels run), sampled by a thread."""
+
+    def __init__(self):
+        self.peak, self.running = self.now(), True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def now(self) -> int:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("RssAnon:"))
+        return int(line.split()[1]) * 1024
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.005)
+
+    def take(self) -> int:
+        """The peak since the last take (or the start), and start anew."""
+        peak, self.peak = max(self.peak, self.now()), self.now()
+        return peak
+
+
+def worker(spec_path: str) -> None:
+    from marsrl_core.config import load_config
+    from marsrl_core.learn.distributed import init_ranks
+    from marsrl_core.learn.learner import Learner
+    from marsrl_core.store import SegmentStore, TrainableGroup
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = load_config("tiny", None, spec["overrides"])
+    ranks = init_ranks(cfg.learner.collective_timeout_s)
+    main = ranks is None or ranks.main
+    store = SegmentStore.from_config(cfg.store) if main else None
+    memory = ResidentPeak()
+    before = memory.now()
+    learner = Learner(cfg, store, spec["run"], Path(spec["folder"]), Path(spec["checkpoints"]), ranks=ranks)
+    load_peak = memory.take()
+    step_peaks, checkpoint_peaks = [], []
+    publish = learner.publish
+
+    def measured_publish(*args, **kwargs):  # the step's peak (forward, backward, AdamW), then the checkpoint's
+        step_peaks.append(memory.take())
+        folder = publish(*args, **kwargs)
+        checkpoint_peaks.append(memory.take())
+        return folder
+
+    learner.publish = measured_publish
+    step_s, tokens_per_s = [], []
+    if main:
+        for step_groups in spec["steps"]:
+            start = time.perf_counter()
+            report = learner.train_step([TrainableGroup(g["group_id"], "solver", g["sample_ids"]) for g in step_groups])
+            step_s.append(time.perf_counter() - start)
+            tokens_per_s.append(report.metrics["solver"]["tokens_per_s"])
+        learner.stop_followers()
+    else:
+        learner.follow()
+    rank = 0 if ranks is None else ranks.rank
+    out = {
+        "peak_load_mb": (load_peak - before) / 2**20,
+        "peak_train_mb": (max(step_peaks) - before) / 2**20,
+        "peak_checkpoint_mb": (max(checkpoint_peaks) - before) / 2**20,
+        "step_s": step_s,
+        "train_tokens_per_s": tokens_per_s,
+        "checkpoint": str(learner.checkpoint_root / f"v{learner.step}"),
+    }
+    Path(spec["result"].format(rank=rank)).write_text(json.dumps(out))
+
+
+def build_inputs(tmp: Path) -> tuple[Path, dict[str, list]]:
+    """The model folder, and the same random groups stored under the runs 'one' and 'fsdp2'."""
+    import numpy as np
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, num_key_value_heads=MODEL["num_attention_heads"], **MODEL)
+    config.max_position_embeddings = 1024
+    model = LlamaForCausalLM(config)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+    folder = tmp / "model"
+    model.save_pretrained(folder)
+    store = SegmentStore(f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
+    rng = np.random.default_rng(0)
+    steps: dict[str, list] = {"one": [], "fsdp2": []}
+    for step in range(STEPS):
+        groups = []
+        for g in range(GROUPS):
+            prompt = rng.integers(0, VOCAB, PROMPT_TOKENS).tolist()
+            members = [
+                (rng.integers(0, VOCAB, RESPONSE_TOKENS - 16 * m).tolist(), float(rng.random()))
+                for m in range(GROUP_SIZE)
+            ]
+            groups.append((f"g{step}-{g}", prompt, members))
+        for run in steps:
+            rows, segments, rewards, stored = [], [], [], []
+            for group_id, prompt, members in groups:
+                ids = [f"{run}-{group_id}-{m}" for m in range(GROUP_SIZE)]
+                for sid, (tokens, reward) in zip(ids, members):
+                    rows.append(SampleRow(sid, "p", "solver", 0, f"{run}-{group_id}", GROUP_SIZE, prompt))
+                    segments.append(SegmentRow(sid, 0, tokens, [float(-np.log(VOCAB))] * len(tokens), 0, "stop"))
+                    rewards.append(RewardRow(sid, reward))
+                stored.append({"group_id": f"{run}-{group_id}", "sample_ids": ids})
+            store.append(run, rows, segments, rewards)
+            steps[run].append(stored)
+    store.close()
+    return folder, steps
+
+
+def run_learner(tmp: Path, folder: Path, run: str, steps: list, ranks: int) -> dict:
+    spec = {
+        "overrides": [
+            f"store.catalog_url=sqlite:{tmp}/lake.sqlite",
+            f"store.data_path={tmp}/data",
+            "rollout.temperature=1.0",
+            "learner.learning_rate=1e-4",
+            "learner.warmup_steps=0",
+            "learner.micro_batch_tokens=256",  # one sample per micro-batch: the model and AdamW state dominate
+            "learner.save_total_limit=1",
+            f"learner.fsdp={ranks > 1}",
+        ],
+        "folder": str(folder),
+        "run": run,
+        "checkpoints": str(tmp / f"ckpt-{run}"),
+        "steps": steps,
+        "result": str(tmp / f"result-{run}-{{rank}}.json"),
+    }
+    path = tmp / f"spec-{run}.json"
+    path.write_text(json.dumps(spec))
+    env = os.environ | {"OMP_NUM_THREADS": str(2 // ranks), "PYTHONPATH": str(Path(__file__).parents[1])}
+    # glibc returns freed blocks of 1 MB and more to the system at once, so the resident set follows the
+    # live tensors (by default its threshold grows past the size of the tensors freed, and it keeps them).
+    env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    subprocess.run([*launcher, __file__, "--worker", str(path)], env=env, check=True)
+    return {r: json.loads((tmp / f"result-{run}-{r}.json").read_text()) for r in range(ranks)}
+
+
+def main() -> None:
+    from benchmarks.common import print_rows, write_results
+    from marsrl_core.engines.hf import load_safetensors_state
+
+    tmp = Path(tempfile.mkdtemp(prefix="learner-scale-"))
+    folder, steps = build_inputs(tmp)
+    one = run_learner(tmp, folder, "one", steps["one"], 1)
+    fsdp = run_learner(tmp, folder, "fsdp2", steps["fsdp2"], 2)
+    a = load_safetensors_state(Path(one[0]["checkpoint"]) / "policy")
+    b = load_safetensors_state(Path(fsdp[0]["checkpoint"]) / "policy")
+    start = load_safetensors_state(folder)
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
+    ratio = max(r["peak_train_mb"] for r in fsdp.values()) / one[0]["peak_train_mb"]
+    checkpoint_ratio = max(r["peak_checkpoint_mb"] for r in fsdp.values()) / one[0]["peak_checkpoint_mb"]
+    rows = []
+    for label, runs in (("one process", one), ("FSDP2, 2 ranks", fsdp)):
+        for r, v in runs.items():
+            step = sum(v["step_s"]) / STEPS if v["step_s"] else "-"
+            rows.append([label, r, v["peak_load_mb"], v["peak_train_mb"], v["peak_checkpoint_mb"], step])
+    header = ["set-up", "rank", "peak load MB", "peak step MB", "peak checkpoint MB", "step s (with checkpoint)"]
+    print_rows("learner scale (CPU)", header, rows)
+    print(
+        f"fsdp2_peak_ratio {ratio:.3f} (goal <= 0.6), at the checkpoint {checkpoint_ratio:.3f}; "
+        f"max_param_diff {diff:.2e} (weights moved by {moved:.2e})"
+    )
+    figures = {
+        "parameters_m": sum(v.numel() for v in start.values()) / 1e6,
+        "fsdp2_peak_ratio": ratio,
+        "fsdp2_checkpoint_peak_ratio": checkpoint_ratio,
+        "max_param_diff": diff,
+        "max_param_change": moved,
+        "step_s": {"one_process": one[0]["step_s"], "fsdp2_2_ranks": fsdp[0]["step_s"]},
+        "train_tokens_per_s": {
+            "one_process": one[0]["train_tokens_per_s"],
+            "fsdp2_2_ranks": fsdp[0]["train_tokens_per_s"],
+        },
+        "peak_train_mb": {
+            "one_process": one[0]["peak_train_mb"],
+            "fsdp2_2_ranks": [v["peak_train_mb"] for v in fsdp.values()],
+        },
+        "peak_load_mb": {
+            "one_process": one[0]["peak_load_mb"],
+            "fsdp2_2_ranks": [v["peak_load_mb"] for v in fsdp.values()],
+        },
+        "steps": STEPS,
+        "tokens_per_step": GROUPS * sum(PROMPT_TOKENS + RESPONSE_TOKENS - 16 * m for m in range(GROUP_SIZE)),
+    }
+    print(f"wrote {write_results('learner_scale', figures)}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker(sys.argv[2])
+    else:
+        main()
