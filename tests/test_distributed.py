@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,30 @@ def test_a_rank_killed_mid_step_takes_the_learner_down_and_the_run_resumes(tmp_p
     assert store.latest_version("kill")[0] == 3
     twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
     assert twice.column("n")[0].as_py() == 0
+
+
+HUNG_RANK = """
+import sys, time
+sys.path.insert(0, {root!r})
+from marsrl_core.learn import distributed
+ranks = distributed.init_ranks(timeout_s=5)
+if ranks.rank == 1:
+    time.sleep(120)  # hung: it never joins the collective
+start = time.monotonic()
+try:
+    distributed.max_over_ranks(1)
+except Exception as err:
+    print(f"rank 0 failed after {{time.monotonic() - start:.0f}} s: {{type(err).__name__}}", flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_hung_rank_fails_the_collective_at_its_timeout(tmp_path):
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_RANK.format(root=str(ROOT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    start = time.monotonic()
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    output = run.stdout + run.stderr
+    assert run.returncode != 0 and "rank 0 failed after" in output, output[-3000:]
+    assert time.monotonic() - start < 100  # not the hung rank's 120 s: the launcher stopped it
