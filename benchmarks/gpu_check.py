@@ -140,7 +140,7 @@ def main(smoke: bool) -> dict:
     figures |= {"torch": torch.__version__}
 
     model = build(shape, device, torch.float32)  # fp32 master weights
-    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     scorer = distributed.shard(TokenScorer(model.train(), 4096, 1.0), device, torch.bfloat16, cpu_offload=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)

@@ -93,6 +93,14 @@ def test_a_tiny_step_changes_a_bf16_model_through_its_fp32_master_weights(folder
         assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), name
 
 
+def test_gradient_checkpointing_with_mixed_precision_gives_the_same_update(folder, tmp_path):
+    base = ("model.dtype=bfloat16", "learner.learning_rate=1e-3")
+    plain, _, _ = _one_step(_cfg(tmp_path, *base), folder, tmp_path, "plain")
+    recomputed, _, _ = _one_step(_cfg(tmp_path, *base, "learner.gradient_checkpointing=true"), folder, tmp_path, "gc")
+    for (name, a), b in zip(plain.models["policy"].named_parameters(), recomputed.models["policy"].parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+
+
 @pytest.mark.gpu
 @cuda
 def test_the_learner_and_the_hf_engine_run_on_cuda(folder, tmp_path):

@@ -95,7 +95,8 @@ def _load_model(folder: Path, cfg: MarsRLConfig, dtype: torch.dtype, device: tor
 
     model = load_model_folder(folder, dtype, device, attn_implementation(cfg.model.attn_implementation, device))
     if cfg.learner.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # non-reentrant: the form torch recommends, and the one FSDP2's hooks see through
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return model.train()
 
