@@ -1,41 +1,18 @@
-"""The config's sections: one pydantic model per part of a run, a description on every field.
+"""The config's sections: one pydantic model per part of a run, a description on every field; the
+learner's is in `learner.py`, the base they share in `base.py`.
 
-Field names follow TRL's `GRPOConfig` where the concept is the same (`num_generations`,
-`learning_rate`, `beta`, `epsilon`, `epsilon_high`, `loss_type`, `scale_rewards`, `max_grad_norm`).
+Field names follow TRL's `GRPOConfig` where the concept is the same (`num_generations`, and the
+learner's `learning_rate`, `beta`, `epsilon`, ...).
 """
 
 from __future__ import annotations
 
-import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-AGENTS = ("solver", "verifier", "corrector")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the value."""
-
-
-def _is_number(annotation: Any) -> bool:
-    """Whether a field holds a number (int or float, maybe optional) and not a bool."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        return any(_is_number(arg) for arg in get_args(annotation) if arg is not type(None))
-    return annotation in (int, float)
-
-
-class _Section(BaseModel):
-    # Numbers are finite everywhere (`.inf` and `.nan` are rejected), unknown fields are errors.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        """A bool is not a number (pydantic would read `true` as 1)."""
-        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
-            raise ValueError("expected a number, got a bool")
-        return value
+from marsrl_core.config.base import AGENTS, ConfigError, _Section  # noqa: F401 (ConfigError: re-exported)
+from marsrl_core.config.learner import LearnerConfig
 
 
 class ModelConfig(_Section):
@@ -145,132 +122,6 @@ class RolloutConfig(_Section):
                     "a segment must fit inside every agent's budget"
                 )
         return self
-
-
-class LearnerConfig(_Section):
-    policies: Literal["shared", "per_agent"] = Field(
-        "shared",
-        description="'shared': one model for all roles (the paper); 'per_agent': one model and optimizer per agent.",
-    )
-    learning_rate: float = Field(1e-6, gt=0, description="AdamW learning rate.")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    beta: float = Field(0.0, ge=0, description="KL coefficient to the reference model (0 disables, as TRL's default).")
-    epsilon: float = Field(0.2, gt=0, description="PPO clip: lower bound of the ratio is 1 - epsilon.")
-    epsilon_high: float = Field(
-        0.28, gt=0, description="PPO clip: upper bound of the ratio is 1 + epsilon_high (DAPO clip-higher)."
-    )
-    loss_type: Literal["dapo", "grpo"] = Field(
-        "dapo", description="'dapo': token-level mean over the batch; 'grpo': mean per sequence, then over sequences."
-    )
-    scale_rewards: bool = Field(True, description="Divide advantages by the group std (False gives Dr. GRPO).")
-    tis_cap: float | None = Field(
-        None,
-        gt=0,
-        description="Truncated importance sampling (decoupled PPO) for every sample: the ratio is taken against "
-        "the policy at the start of the step and each token weighted by pi_prox / pi_behaviour, capped here "
-        "(None: only samples past `max_staleness` with `stale_groups='correct'` are weighted, capped at 2).",
-    )
-    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
-        "token_truncate",
-        description="How the importance weight is formed (TRL's `vllm_importance_sampling_mode`): per token or "
-        "per sequence (the product of its tokens' ratios), truncated at the cap or zero above it. Per token "
-        "by default: the product over a sequence thousands of tokens long collapses to 0 or past any cap.",
-    )
-    clip_ratio_c: float | None = Field(
-        None,
-        gt=1,
-        description="Dual-clip PPO (verl's `clip_ratio_c`, Ye et al. 2020): for a negative advantage a token's "
-        "loss is at most -A * c, so one token whose ratio has grown large cannot dominate a step (None: off).",
-    )
-    mask_truncated_completions: bool = Field(
-        False,
-        description="Leave outputs cut off by their agent's budget out of the loss (TRL's name; DAPO's overlong "
-        "filtering); they still count in the group's advantages and the reward statistics. Off: they are "
-        "trained on with `rollout.truncated_reward`.",
-    )
-    agent_weighting: Literal["sum", "mean", "token"] = Field(
-        "sum",
-        description="How a policy shared by several agents weighs them in one step: 'sum' adds each agent's "
-        "own loss mean (the step grows with the agents in it), 'mean' averages them (each agent weighs the "
-        "same), 'token' takes one mean over all their tokens (sequences for loss_type 'grpo'), so an agent "
-        "weighs by its share of the tokens.",
-    )
-    logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens per chunk when computing log-probs and entropy.")
-    micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward to save memory on long samples."
-    )
-    mixed_precision: Literal["auto", "bf16", "native"] = Field(
-        "auto",
-        description="'bf16': fp32 master weights and AdamW state, forward and backward under bf16 autocast "
-        "(accelerate's `mixed_precision`); 'native': train and compute in `model.dtype` itself; 'auto': 'bf16' "
-        "when `model.dtype` is a half type, else 'native'. Training bf16 weights directly loses updates of lr ~1e-6.",
-    )
-    nproc: int = Field(
-        1,
-        ge=1,
-        description="Learner ranks on this machine (torch.distributed). Above 1, `marsrl train` runs its "
-        "learner as a `marsrl learn --nproc N` process beside its rollouts (they meet through the store and "
-        "the checkpoints), and `marsrl learn` starts N ranks itself.",
-    )
-    fsdp: bool = Field(
-        False,
-        description="With several learner ranks: shard parameters, gradients and optimizer state per decoder "
-        "layer with FSDP2 (`fully_shard`, ZeRO-3); off, each rank holds the whole model and gradients are "
-        "summed over ranks (data parallel). One process ignores it.",
-    )
-    fsdp_cpu_offload: bool = Field(
-        False, description="FSDP2: keep parameters, gradients and optimizer state on the CPU between uses."
-    )
-    collective_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="Several learner ranks: seconds a collective waits before the step fails (a rank that "
-        "died or hangs must not hang the run).",
-    )
-    groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
-    downstream_groups_per_step: int | None = Field(
-        None,
-        ge=1,
-        description="Complete groups of the Verifier and of the Corrector consumed by one learner "
-        "step (None: `groups_per_step`). Per problem the Solver samples one group and each downstream turn "
-        "`select_inputs` groups, so with equal counts the downstream agents produce several times what a "
-        "step takes and the surplus ages past `max_staleness`.",
-    )
-    max_steps: int = Field(100, ge=1, description="Learner steps in a training run.")
-    max_staleness: int | None = Field(
-        4,
-        ge=0,
-        description="Most policy versions between a group's oldest token and the learner's current "
-        "policy for the group to be trained on; older complete groups are dropped untrained (recorded in the "
-        "store as consumptions with learner_step -1). Past the PPO clip a stale group gives almost no "
-        "gradient, and a learner that drains a backlog oldest-first trains on ever older data. Once the "
-        "rollouts have finished and no fresh group is left, stale ones are trained on rather than ending "
-        "the run short of its steps. None trains on every group.",
-    )
-    stale_groups: Literal["drop", "correct"] = Field(
-        "drop",
-        description="What a step does with groups past `max_staleness`: 'drop' them untrained, or 'correct' "
-        "them: train on them with decoupled PPO (AReaL; Hilton et al. 2022), the ratio against the policy at "
-        "the start of the step and each token weighted by pi_prox / pi_behaviour, capped at `tis_cap` (2 when "
-        "unset) as `tis_mode` says.",
-    )
-    save_total_limit: int | None = Field(
-        3,
-        ge=1,
-        description="Newest checkpoint folders kept on disk (older ones are deleted after each commit; "
-        "None keeps all). Nothing needs an older one: engines load only the newest committed version, a "
-        "resume the last committed one, an in-flight sample carries its own log-probs, and the MLflow "
-        "registry's alias points at its own copy (`tracking.log_checkpoint_steps`). Every version stays a "
-        "row in the store.",
-    )
-
-    def groups_per_step_by_agent(self) -> dict[str, int]:
-        """Complete groups one step consumes, per agent."""
-        downstream = self.downstream_groups_per_step or self.groups_per_step
-        return {agent: self.groups_per_step if agent == "solver" else downstream for agent in AGENTS}
 
 
 class DataConfig(_Section):
