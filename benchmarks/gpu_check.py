@@ -94,7 +94,7 @@ def learner_step(scorer, optimizer, length: int, vocab: int, device: torch.devic
     sync(device)
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = float(distributed.full(norm))
     return {
         "tokens": length,
         "train_tokens_per_s": length / elapsed,

@@ -171,7 +171,7 @@ def _save_model(
         model.save_pretrained(folder, state_dict=state, safe_serialization=True)
         return
     for key in params:
-        tensors[f"master.{name}.{key}"] = state[key].contiguous().clone()
+        tensors[f"master.{name}.{key}"] = state[key].contiguous()  # written at once: no copy needed
     saved_dtype, model.config.dtype = model.config.dtype, dtype
     try:
         cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}

@@ -30,8 +30,6 @@ import torch
 import torch.distributed as dist
 
 BUCKET_ELEMENTS = 1 << 24  # gradients are summed in flat buckets of up to 16M elements
-
-
 FOLLOWER_WAIT_S = 7 * 24 * 3600.0  # how long ranks > 0 wait for rank 0's next step (it may idle for hours)
 
 
@@ -127,17 +125,19 @@ def all_reduce_gradients(model: torch.nn.Module) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    bucket: list[torch.Tensor] = []
-    for p in [*params, None]:
-        if p is not None and (not bucket or sum(g.numel() for g in bucket) + p.numel() <= BUCKET_ELEMENTS):
-            bucket.append(p.grad)
-            continue
-        if bucket:
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat)
-            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-                g.copy_(part.view_as(g))
-        bucket = [] if p is None else [p.grad]
+    buckets: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in params:
+        if buckets[-1] and size + p.numel() > BUCKET_ELEMENTS:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p.grad)
+        size += p.numel()
+    for bucket in (b for b in buckets if b):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(part.view_as(g))
 
 
 def shard(scorer: torch.nn.Module, device: torch.device, compute: torch.dtype | None, cpu_offload: bool):
@@ -168,15 +168,19 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: gathered from every rank when it is sharded (a collective), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def full_state_dict(model: torch.nn.Module, main: bool) -> dict[str, torch.Tensor]:
     """The whole state dict on the CPU of rank 0 (every rank takes part in gathering sharded tensors;
     the others get an empty dict)."""
-    from torch.distributed.tensor import DTensor
-
     state = {}
     for key, value in model.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
+        value = full(value)
         if main:
             state[key] = value.detach().cpu()
     return state

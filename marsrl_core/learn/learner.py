@@ -319,7 +319,7 @@ class Learner:
 
     def _clip_gradients(self, name: str) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.models[name].parameters(), self.cfg.learner.max_grad_norm)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return float(distributed.full(norm))
 
     def _check_finite(self, name: str) -> None:
         """After an update: a non-finite parameter fails the step, which is never published (the task's
