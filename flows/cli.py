@@ -74,23 +74,30 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from flows.server import local_server
     from flows.train import train_flow
     from marsrl_core.config import load_config
+    from marsrl_core.runtime.report import print_spread, spread
 
+    names = args.variants or list(ABLATIONS)
+    unknown = [name for name in names if name not in ABLATIONS]
+    if unknown:
+        raise ConfigError(f"ablation {unknown[0]!r}: unknown; choose from {sorted(ABLATIONS)}")
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds {args.seeds}: at least 1")
+    first_seed = load_config(args.preset, args.config_file, args.overrides).seed
     figures: dict[str, dict] = {}
-    reports: dict[str, dict] = {}
-    for name in args.variants or list(ABLATIONS):
-        if name not in ABLATIONS:
-            raise ConfigError(f"ablation {name!r}: unknown; choose from {sorted(ABLATIONS)}")
-        cfg = load_config(args.preset, args.config_file, [*args.overrides, *ABLATIONS[name], f"run_name=ablate-{name}"])
-        core_cli.console.rule(f"ablation: {name}")
-        start = time.perf_counter()
-        with local_server():
-            result = train_flow(cfg)
-        figures[name] = train_summary(result, cfg.seed, time.perf_counter() - start)
-        if "before" in result and not reports:
-            reports["start"] = result["before"]  # the same starting policy for every variant
-        reports[name] = result.get("after") or result["before"]
-    print_report(core_cli.console, reports)
-    _write_json(Path(args.results), figures)
+    for name in names:
+        runs = []
+        for seed in range(first_seed, first_seed + args.seeds):
+            run_name = f"ablate-{name}" + (f"-seed{seed}" if args.seeds > 1 else "")
+            extra = [*ABLATIONS[name], f"seed={seed}", f"run_name={run_name}"]
+            cfg = load_config(args.preset, args.config_file, [*args.overrides, *extra])
+            core_cli.console.rule(f"ablation: {name}, seed {seed}")
+            start = time.perf_counter()
+            with local_server():
+                result = train_flow(cfg)
+            runs.append(train_summary(result, cfg.seed, time.perf_counter() - start))
+        figures[name] = spread(runs)
+        _write_json(Path(args.results), figures)  # after every variant: a long ablation keeps what it measured
+    print_spread(core_cli.console, figures)
     core_cli.console.print(f"figures written to {args.results}")
     return 0
 
@@ -205,6 +212,13 @@ def _train_setup(parser: argparse.ArgumentParser) -> None:
 
 def _ablate_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("variants", nargs="*", help=f"Ablations to run (default all): {', '.join(ABLATIONS)}.")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="Runs per variant, seeds seed..seed+N-1 (the config's seed first); the table and ablations.json give "
+        "each measure's mean and sd over them (sd needs 2 or more).",
+    )
     parser.add_argument("--results", default="benchmarks/results/ablations.json", help="Where to write the figures.")
 
 

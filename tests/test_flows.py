@@ -462,9 +462,18 @@ def test_marsrl_ablate_runs_each_variant_and_writes_train_json_keys(tmp_path, ca
     path = tmp_path / "small.yaml"
     path.write_text(config_to_yaml(cfg))
     results = tmp_path / "ablations.json"
-    assert main(["ablate", "marsrl", "synchronous", "--config", str(path), "--results", str(results)]) == 0
-    figures = json.loads(results.read_text())
-    assert set(figures) == {"marsrl", "synchronous"}
+    args = ["ablate", "marsrl", "synchronous", "--seeds", "2", "--config", str(path), "--results", str(results)]
+    assert main(args) == 0
+    variants = json.loads(results.read_text())
+    assert set(variants) == {"marsrl", "synchronous"}
+    assert all(
+        v["seeds"] == 2 and [r["seed"] for r in v["runs"]] == [cfg.seed, cfg.seed + 1] for v in variants.values()
+    )
+    for v in variants.values():  # the mean and sd of each figure over the two seeds
+        solver = [r["solver_acc_after"] for r in v["runs"]]
+        assert v["mean"]["solver_acc_after"] == pytest.approx(sum(solver) / 2)
+        assert v["sd"]["solver_acc_after"] == pytest.approx(abs(solver[0] - solver[1]) / 2**0.5)
+    figures = {f"{name}-{r['seed']}": r for name, v in variants.items() for r in v["runs"]}
     keys = {
         "solver_acc_before",
         "solver_acc_after",
@@ -484,11 +493,11 @@ def test_marsrl_ablate_runs_each_variant_and_writes_train_json_keys(tmp_path, ca
     assert all(set(f) == keys and f["learner_steps"] == 2 for f in figures.values())
     assert all(0.0 <= f["stale_drop_fraction"] <= 1.0 for f in figures.values())
     out = capsys.readouterr().out
-    assert "synchronous" in out and "Solver accuracy" in out
+    assert "synchronous" in out and "Solver accuracy" in out and "mean ± sd over 2 seed(s)" in out
     # The synchronous baseline trains only once a whole batch has been decoded.
     store = SegmentStore.from_config(cfg.store)
     runs = store.query("SELECT run_id, max(version) AS v FROM policy_versions GROUP BY 1").to_pylist()
-    assert sorted(r["v"] for r in runs) == [2, 2]
+    assert sorted(r["v"] for r in runs) == [2, 2, 2, 2]
     sync = next(r["run_id"] for r in runs if "synchronous" in r["run_id"])
     first_step = store.query("SELECT min(created_at) AS t FROM policy_versions WHERE run_id = ?", [sync]).column("t")[0]
     batch_done = store.query(

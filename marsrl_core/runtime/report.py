@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 from rich.console import Console
 from rich.table import Table
@@ -83,3 +84,53 @@ def train_summary(result: dict, seed: int, wall_clock_s: float) -> dict[str, flo
         "learner_steps": int(result.get("learner_steps", 0)),
         "seed": seed,
     }
+
+
+# The measures of an ablation's table: (row name, train_summary key); accuracies are fractions.
+SPREAD_MEASURES = [
+    ("Solver accuracy", "solver_acc_after"),
+    ("Verifier balanced accuracy", "verifier_bal_acc_after"),
+    ("Verifier: wrong solutions caught", "verifier_wrong_caught_after"),
+    ("Corrector fix rate", "corrector_fix_after"),
+    ("Corrector break rate", "corrector_break_after"),
+    ("V-C system accuracy", "vc_acc_after"),
+    ("dropped untrained (stale or masked)", "stale_drop_fraction"),
+    ("train and evaluation wall-clock (s)", "wall_clock_s"),
+]
+
+
+def spread(runs: list[dict]) -> dict:
+    """One variant's runs (train_summary dicts, one per seed) as `seeds`, per-key `mean` and `sd` (NaN
+    for one seed, or where a run did not measure the key) and the `runs` themselves."""
+    keys = [k for k in runs[0] if k != "seed"]
+    mean, sd = {}, {}
+    for key in keys:
+        values = [float(run[key]) for run in runs]
+        if any(math.isnan(v) for v in values):  # statistics' exact sums take no NaN
+            mean[key] = sd[key] = math.nan
+            continue
+        mean[key] = statistics.mean(values)
+        sd[key] = statistics.stdev(values) if len(values) > 1 else math.nan
+    return {"seeds": len(runs), "mean": mean, "sd": sd, "runs": runs}
+
+
+def print_spread(console: Console, variants: dict[str, dict]) -> None:
+    """The ablation table: one column per variant, each cell the mean ± sd over its seeds."""
+    seeds = sorted({v["seeds"] for v in variants.values()})
+    table = Table(title=f"after training, mean ± sd over {'/'.join(map(str, seeds))} seed(s)")
+    table.add_column("measure")
+    for name in variants:
+        table.add_column(name)
+    for label, key in SPREAD_MEASURES:
+        cells = []
+        for v in variants.values():
+            m, s = v["mean"][key], v["sd"][key]
+            scale, fmt = (1, "{:.0f}") if key == "wall_clock_s" else (100, "{:.1f}")
+            text = (
+                "n/a"
+                if math.isnan(m)
+                else fmt.format(m * scale) + ("" if math.isnan(s) else " ± " + fmt.format(s * scale))
+            )
+            cells.append(text + ("%" if scale == 100 and not math.isnan(m) else ""))
+        table.add_row(label, *cells)
+    console.print(table)
