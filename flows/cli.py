@@ -247,27 +247,64 @@ def _serve_setup(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="Most flow runs at once.")
 
 
-COMMANDS = {
+COMMANDS = {  # name: (handler, help, argument setup, (settings listed by --help, an example))
     "train": (
         cmd_train,
         "Run the main job: MarsRL training with evaluation before and after (make train).",
         _train_setup,
+        (
+            [
+                "learner.max_steps",
+                "data.num_batches",
+                "data.train_dataset",
+                "model.path",
+                "engine.name",
+                "model.device",
+            ],
+            "marsrl train --set learner.max_steps=100 --set data.train_dataset=problems.jsonl",
+        ),
     ),
     "ablate": (
         cmd_ablate,
         "Train each ablation (same seed and budgets) and compare: shared reward, synchronous, "
         "random selection, per-agent policies.",
         _ablate_setup,
+        (["seed", "learner.max_steps", "evaluation.num_problems"], "marsrl ablate marsrl synchronous --seeds 3"),
     ),
-    "sft": (cmd_sft, "Warm-start the policy with SFT on synthetic demonstrations (cached by config).", None),
-    "rollout": (cmd_rollout, "Run rollout flows for a run (one side of a split rollout/learner run).", _rollout_setup),
-    "learn": (cmd_learn, "Run the learner flow for a run (the other side of a split run).", _learn_setup),
-    "serve": (cmd_serve, "Serve the flows as Prefect deployments (with schedules) for the UI.", _serve_setup),
+    "sft": (
+        cmd_sft,
+        "Warm-start the policy with SFT on synthetic demonstrations (cached by config).",
+        None,
+        (["sft.enabled", "sft.max_steps", "model.path"], "marsrl sft --set sft.max_steps=400"),
+    ),
+    "rollout": (
+        cmd_rollout,
+        "Run rollout flows for a run (one side of a split rollout/learner run).",
+        _rollout_setup,
+        (
+            ["data.num_batches", "rollout.segment_tokens", "engine.name"],
+            "marsrl rollout --run-id r1 --batches 0 1 --finish",
+        ),
+    ),
+    "learn": (
+        cmd_learn,
+        "Run the learner flow for a run (the other side of a split run).",
+        _learn_setup,
+        (["learner.max_steps", "learner.nproc", "learner.fsdp", "model.device"], "marsrl learn --run-id r1 --nproc 2"),
+    ),
+    "serve": (
+        cmd_serve,
+        "Serve the flows as Prefect deployments (with schedules) for the UI.",
+        _serve_setup,
+        (["learner.max_steps", "data.num_batches"], "marsrl serve --preset tiny --cron '0 2 * * *'"),
+    ),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return core_cli.main(argv, COMMANDS)
+    from flows.logs import set_verbosity
+
+    return core_cli.main(argv, COMMANDS, before=lambda args: set_verbosity(args.verbose))
 
 
 if __name__ == "__main__":

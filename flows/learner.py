@@ -18,6 +18,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.logs import say
 from marsrl_core.config import MarsRLConfig, absolute_paths, default_config, with_overrides
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
@@ -72,7 +73,7 @@ def learner_flow(
             )
             step = rt.learner(config, run_id).step
             if report is not None:
-                print(step_line(report))
+                say(step_line(report))
             idle_since, wait_s = time.monotonic(), poll_s
             if config.store.compact_every_steps and step % config.store.compact_every_steps == 0:
                 compact(config)  # keeps the next polls' file lists short; readers keep their files (retention)
@@ -82,10 +83,10 @@ def learner_flow(
             time.sleep(wait_s)
             wait_s = min(wait_s * 1.5, max(poll_s, MAX_IDLE_POLL_S))
     if rt.interrupted(run_id):  # no checkpoint upload either: a SIGKILL may follow the SIGTERM soon
-        print(f"learner stopped at step {step} of {budget}: its process is stopping")
+        say(f"learner stopped at step {step} of {budget}: its process is stopping")
         return step
     if finished and step < budget:
-        print(
+        say(
             f"learner stopped at step {step} of {budget}: the rollouts finished and no complete group "
             "is left to train on"
         )

@@ -6,6 +6,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.logs import say
 from marsrl_core.config import MarsRLConfig, default_config, with_overrides
 from tasks.evaluation import compact
 
@@ -15,5 +16,5 @@ def maintenance_flow(
     config: MarsRLConfig = default_config(), overrides: dict[str, Any] | None = None
 ) -> dict[str, int]:
     result = compact(with_overrides(config, overrides))
-    print(f"data files {result['files_before']} -> {result['files_after']}")
+    say(f"data files {result['files_before']} -> {result['files_after']}")
     return result

@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.logs import say
 from marsrl_core.config import MarsRLConfig, default_config, with_overrides
 from tasks.sft import warm_start
 
@@ -14,5 +15,5 @@ from tasks.sft import warm_start
 @flow(name="sft", log_prints=True)
 def sft_flow(config: MarsRLConfig = default_config(), overrides: dict[str, Any] | None = None) -> str:
     folder = warm_start(with_overrides(config, overrides))
-    print(f"warm start: {folder}")
+    say(f"warm start: {folder}")
     return folder

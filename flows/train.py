@@ -31,6 +31,7 @@ from prefect.settings import get_current_settings
 
 from flows.evaluate import evaluate_flow
 from flows.learner import learner_flow
+from flows.logs import say
 from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
 from flows.subflows import in_thread, parent_heartbeat_only
@@ -78,7 +79,7 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
     result: dict = {"run_id": run_id}
     latest = store.latest_version(run_id)
     if latest is not None and latest[0] >= config.learner.max_steps:
-        print(f"run {run_id} has all its {config.learner.max_steps} learner steps: nothing left to decode or train")
+        say(f"run {run_id} has all its {config.learner.max_steps} learner steps: nothing left to decode or train")
         result.update(already_finished=True, learner_steps=latest[0], before=store.evaluation(run_id, "before"))
         if evaluate_after:
             result["after"] = store.evaluation(run_id, "after") or evaluate_flow(config, run_id, "after", latest[1])

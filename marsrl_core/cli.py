@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -31,6 +31,9 @@ def add_overrides_option(parser: argparse.ArgumentParser, help: str) -> None:
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="Show Prefect's and vLLM's own INFO lines too (quiet by default)."
+    )
     parser.add_argument("--preset", default="tiny", help="Preset to start from: tiny (CPU demo) or paper.")
     parser.add_argument("--config", dest="config_file", default=None, help="YAML file merged over the preset.")
     add_overrides_option(parser, "Override one field, e.g. --set rollout.segment_tokens=1024 (repeatable).")
@@ -52,6 +55,41 @@ def print_table(table, title: str | None = None, max_rows: int = 200) -> None:
         console.print(f"... {table.num_rows - max_rows} more rows")
 
 
+# What `marsrl <command> --help` lists after its options: the settings that matter for the command, with
+# their tiny-preset defaults and help, and an example (the Prefect layer's commands bring their own).
+USAGE = {
+    "eval": (
+        ["evaluation.dataset", "evaluation.num_problems", "evaluation.k", "evaluation.max_rounds", "model.path"],
+        "marsrl eval --checkpoint marsrl-1a2b3c4d --set evaluation.dataset=aime2025.jsonl --set evaluation.k=4",
+    ),
+    "sql": (
+        ["store.catalog_url", "store.data_path"],
+        'marsrl sql "SELECT step, agent, reward_mean, loss FROM train_step_metrics ORDER BY step DESC LIMIT 6"',
+    ),
+    "config": (
+        ["model.path", "learner.max_steps"],
+        "marsrl config --preset paper --set learner.max_steps=500 > run.yaml",
+    ),
+    "compact": (["store.catalog_url", "store.compaction_retention_minutes"], "marsrl compact --config run.yaml"),
+}
+
+
+def usage_epilog(cfg: MarsRLConfig, keys: list[str], example: str) -> str:
+    """The settings `keys` (dotted fields of `cfg`) with their values and help, then the example."""
+    import textwrap
+
+    lines = ["settings (--set KEY=VALUE; default in the tiny preset):"]
+    for key in keys:
+        *path, field = key.split(".")
+        section = cfg
+        for part in path:
+            section = getattr(section, part)
+        help_text = type(section).model_fields[field].description or ""
+        lines.append(f"  {key} = {getattr(section, field)}")
+        lines += textwrap.wrap(help_text, 96, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join([*lines, "", "example:", f"  {example}"])
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     print(config_to_yaml(_config(args)), end="")
     return 0
@@ -62,23 +100,20 @@ def cmd_sql(args: argparse.Namespace) -> int:
     import duckdb
 
     from marsrl_core.store import SegmentStore, StoreError
+    from marsrl_core.store.console import banner, enable_line_editing, locate
 
-    cfg = _config(args)
-    store = SegmentStore.from_config(cfg.store, create=False, read_only=True)
+    store = SegmentStore.from_config(locate(_config(args).store), create=False, read_only=True)
     if args.query:
         try:
             print_table(store.query(args.query))
         except duckdb.Error as err:  # a malformed query, an unknown table: one line, not a traceback
             raise StoreError(f"query: {str(err).splitlines()[0]}") from None
         return 0
-    console.print(
-        "MarsRL store console: tables runs, problems, samples, segments, rewards, consumptions, "
-        "policy_versions, train_steps, rejected_inputs; views rewards_per_agent, pipeline_latency, "
-        "staleness, in_flight_decodes. End with Ctrl-D."
-    )
+    enable_line_editing()
+    console.print(banner(store), soft_wrap=True, highlight=False)
     while True:
         try:
-            text = input("marsrl> ").strip()
+            text = input("marsrl> ").strip().rstrip(";")
         except EOFError:
             return 0
         if not text:
@@ -91,8 +126,9 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 def cmd_compact(args: argparse.Namespace) -> int:
     from marsrl_core.store import SegmentStore
+    from marsrl_core.store.console import locate
 
-    store_config = _config(args).store
+    store_config = locate(_config(args).store)
     store = SegmentStore.from_config(store_config, create=False)
     result = store.compact(retention_s=60 * store_config.compaction_retention_minutes)
     console.print(f"data files: {result['files_before']} -> {result['files_after']}")
@@ -145,11 +181,20 @@ def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentP
             "policy, the warm start for the tiny preset). The command says which it evaluated.",
         ),
     }
-    for name, (handler, help_text, setup) in (extra_commands or {}).items():
+    usage, tiny = dict(USAGE), load_config("tiny")
+    for name, (handler, help_text, setup, *extra_usage) in (extra_commands or {}).items():
         commands[name] = (handler, help_text)
         setups[name] = setup
+        if extra_usage:
+            usage[name] = extra_usage[0]
     for name, (handler, help_text) in sorted(commands.items()):
-        command = sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=usage_epilog(tiny, *usage[name]) if name in usage else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         _add_config_options(command)
         command.set_defaults(handler=handler)
         if setups.get(name):
@@ -157,7 +202,20 @@ def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentP
     return parser, commands
 
 
-def main(argv: Sequence[str] | None = None, extra_commands: dict | None = None) -> int:
+def set_engine_verbosity(verbose: bool) -> None:
+    """vLLM's start-up and MLflow's database INFO lines only with `-v` (a user's own level stays)."""
+    import logging
+    import os
+
+    level = "INFO" if verbose else "WARNING"
+    for variable, logger in (("VLLM_LOGGING_LEVEL", "vllm"), ("MLFLOW_LOGGING_LEVEL", "mlflow")):
+        if os.environ.get(variable) in (None, "INFO", "WARNING"):
+            os.environ[variable] = level  # read when the library is imported, here and in its child processes
+        logging.getLogger(logger).setLevel(level)  # where this process has imported it already
+
+
+def main(argv: Sequence[str] | None = None, extra_commands: dict | None = None, before: Callable | None = None) -> int:
+    """Run one command; `before(args)` runs first (the Prefect layer sets its logging there)."""
     from marsrl_core.agents.problems import DatasetError
     from marsrl_core.engines.base import EngineError
     from marsrl_core.learn.checkpoint import CheckpointError
@@ -166,6 +224,9 @@ def main(argv: Sequence[str] | None = None, extra_commands: dict | None = None) 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(extra_commands)[0].parse_args(argv)
     args.argv = argv  # a command that re-runs itself under a launcher (`learn --nproc`) passes them on
+    set_engine_verbosity(args.verbose)
+    if before is not None:
+        before(args)
     try:
         return args.handler(args)
     except (ConfigError, StoreError, DatasetError, EngineError, CheckpointError) as err:

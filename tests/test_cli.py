@@ -82,3 +82,99 @@ def test_the_sql_console_is_read_only_and_reports_a_bad_query_in_one_line(where,
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert main(["sql", *where, "SELECT count(*) AS n FROM consumptions"]) == 0
     assert "1" in capsys.readouterr().out
+
+
+def _project_store(root) -> SegmentStore:
+    """A store where the default config puts it: `marsrl/lake.sqlite` under the project folder `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    store = SegmentStore(f"sqlite:{root}/marsrl/lake.sqlite", f"{root}/marsrl/lake_data/")
+    store.create_run("run-a", {})
+    store.append("run-a", [SampleRow("s1", "p", "solver", 0, "g", 1, [1, 2])], [], [RewardRow("s1", 1.0)])
+    store.commit_step("run-a", 1, {"solver": ["s1"]}, "ckpt/v1")
+    return store
+
+
+def test_sql_finds_the_projects_store_from_a_subfolder_or_says_how_to_point_at_it(tmp_path, monkeypatch, capsys):
+    _project_store(tmp_path / "project")
+    (tmp_path / "project" / "notebooks" / "deep").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "project" / "notebooks" / "deep")
+    assert main(["sql", "SELECT count(*) AS consumed FROM consumptions WHERE run_id = 'run-a'"]) == 0
+    assert "│ 1 " in capsys.readouterr().out
+    assert main(["compact"]) == 0  # maintenance finds it the same way
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["sql", "SELECT 1"]) == 2
+    err = capsys.readouterr().err
+    assert "no such store in" in err and "--set store.catalog_url=sqlite:" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "elsewhere" / "marsrl").exists()  # nothing created where none was
+
+
+def test_the_sql_banner_examples_run_against_the_newest_run(tmp_path):
+    from marsrl_core.store.console import banner
+
+    store = _project_store(tmp_path)
+    text = banner(store)
+    assert "train_step_metrics" in text and "WHERE run_id = 'run-a'" in text
+    examples = [line.strip().rstrip(";") for line in text.splitlines() if line.startswith("  SELECT")]
+    assert len(examples) >= 5
+    for sql in examples:  # each example is valid SQL over the schema (the tables may be empty)
+        store.query(sql)
+
+
+def test_the_sql_prompt_keeps_a_history_that_the_up_arrow_recalls(tmp_path):
+    """Through a real terminal (a pty): one session runs a query; the next recalls it with the up arrow."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    _project_store(tmp_path)
+    history = tmp_path / "history"
+    env = {**os.environ, "MARSRL_SQL_HISTORY": str(history), "TERM": "xterm"}
+
+    def session(keys: list[bytes], expect: bytes) -> bytes:
+        leader, follower = pty.openpty()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "marsrl_core.cli", "sql"],
+            cwd=tmp_path,
+            env=env,
+            stdin=follower,
+            stdout=follower,
+            stderr=follower,
+        )
+        os.close(follower)
+        seen, deadline, pending = b"", time.monotonic() + 60, list(keys)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if select.select([leader], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(leader, 65536)
+                except OSError:
+                    break
+            if pending and seen.endswith(b"marsrl> "):
+                os.write(leader, pending.pop(0))
+                seen += b"<sent>"
+        proc.wait(timeout=30)
+        os.close(leader)
+        assert expect in seen, seen[-2000:]
+        return seen
+
+    session([b"SELECT 40 + 2 AS answer\r", b"\x04"], b"42")
+    assert "SELECT 40 + 2 AS answer" in history.read_text()
+    session([b"\x1b[A\r", b"\x04"], b"42")  # up arrow, then Enter: the last session's query again
+
+
+def test_each_commands_help_lists_its_settings_with_defaults_and_an_example(capsys):
+    from flows.cli import main as marsrl
+
+    for command, setting in (
+        ("eval", "evaluation.dataset = None"),
+        ("sql", "store.catalog_url = sqlite:"),
+        ("train", "learner.max_steps = 50"),
+        ("learn", "learner.nproc = 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            marsrl([command, "--help"])
+        out = capsys.readouterr().out
+        assert exit_.value.code == 0 and setting in out and f"example:\n  marsrl {command}" in out, command

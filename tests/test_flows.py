@@ -378,7 +378,22 @@ def test_learner_flow_compacts_the_store_every_n_versions(tmp_path):
     assert len(store.load_samples("compacted", ids)) == len(ids) > 0  # every sample still reads
 
 
-def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
+@pytest.fixture
+def terminal():
+    """What Prefect's console handler writes (its rich console's file), for the test's duration."""
+    import io
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    [handler] = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    buffer, kept = io.StringIO(), handler.console.file
+    handler.console.file = buffer
+    yield buffer
+    handler.console.file = kept
+
+
+def test_marsrl_train_command_prints_the_before_after_table_and_is_quiet_without_v(tmp_path, capsys, terminal):
     import json
 
     from flows.cli import main
@@ -389,8 +404,10 @@ def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
     path.write_text(config_to_yaml(cfg))
     results = tmp_path / "train.json"
     assert main(["train", "--config", str(path), "--run-id", "cli-run", "--results", str(results)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr().out, terminal.getvalue()
     assert "cli-run" in out and "Solver accuracy" in out and "before" in out and "after" in out
+    # Quiet by default: the learner's own step line shows, Prefect's per-run state lines do not.
+    assert "learner step 1:" in err and "Finished in state" not in err and "Created task run" not in err
     figures = json.loads(results.read_text())
     assert figures["learner_steps"] == 1 and 0.0 <= figures["solver_acc_after"] <= 1.0
     # Resumed once finished, the run decodes and trains nothing more, and says so.
@@ -400,9 +417,10 @@ def test_marsrl_train_command_prints_the_before_after_table(tmp_path, capsys):
     counts = lambda: (store.count("segments", "cli-run"), store.count("policy_versions", "cli-run"))  # noqa: E731
     before = counts()
     again = tmp_path / "again.json"
-    assert main(["train", "--config", str(path), "--resume", "cli-run", "--results", str(again)]) == 0
-    out = capsys.readouterr().out
+    assert main(["train", "-v", "--config", str(path), "--resume", "cli-run", "--results", str(again)]) == 0
+    out, err = capsys.readouterr().out, terminal.getvalue()
     assert "had finished" in out and "Solver accuracy" in out
+    assert "Finished in state" in err  # -v: Prefect's own lines too
     assert counts() == before and not again.exists()
 
 

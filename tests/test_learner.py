@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -87,6 +89,10 @@ def test_first_step_is_on_policy_and_metrics_are_recorded(folder, tmp_path):
     assert m["clip_fraction"] == 0.0 and m["staleness_max"] == 0.0 and m["entropy"] > 0
     stored = store.query("SELECT step, agent, metrics_json FROM train_steps").to_pylist()
     assert stored[0]["step"] == 1 and "ratio_mean" in stored[0]["metrics_json"]
+    # The train_step_metrics view has a column for every metric a step records, holding its value.
+    [row] = store.query("SELECT * FROM train_step_metrics WHERE step = 1 AND agent = 'solver'").to_pylist()
+    recorded = json.loads(stored[0]["metrics_json"])
+    assert recorded and {key: row.get(key) for key in recorded} == pytest.approx(recorded)
     assert store.trainable_groups(RUN, "solver") == []
 
 

@@ -62,36 +62,47 @@ def table_ddl(catalog: str) -> list[str]:
     return statements
 
 
+# The step metrics the learner records per agent (`train_steps.metrics_json`), unpacked into columns by
+# the `train_step_metrics` view; a test checks that a real step records no other key.
+STEP_METRICS = (
+    "reward_mean loss tokens tokens_per_s groups zero_variance_groups staleness_mean staleness_max "
+    "clip_fraction clip_low_fraction clip_high_fraction dual_clip_fraction kl entropy ratio_mean ratio_max "
+    "advantage_mean advantage_std advantage_abs_max grad_norm learning_rate decoupled_samples "
+    "masked_truncated_samples skipped_nonfinite peak_memory_gb"
+).split()
+
+# The views a user queries with `marsrl sql`, over the catalog `{c}`.
+VIEWS: dict[str, str] = {
+    "rewards_per_agent": """SELECT s.run_id, s.agent, date_trunc('minute', r.created_at) AS minute,
+            avg(r.reward) AS mean_reward, count(*) AS samples,
+            count(*) FILTER (WHERE r.outcome IN ('no_answer', 'no_verdict')) AS unparsable
+        FROM {c}.rewards r JOIN {c}.samples s USING (run_id, sample_id)
+        GROUP BY ALL ORDER BY minute""",
+    "pipeline_latency": """SELECT s.run_id, s.agent, r.sample_id, r.created_at AS finished_at,
+            c.created_at AS consumed_at, epoch(c.created_at) - epoch(r.created_at) AS latency_s
+        FROM {c}.rewards r JOIN {c}.samples s USING (run_id, sample_id)
+        JOIN {c}.consumptions c USING (run_id, sample_id)
+        WHERE c.learner_step >= 0""",
+    "staleness": """SELECT c.run_id, c.sample_id, c.agent, c.learner_step,
+            min(g.policy_version) AS oldest_version, max(g.policy_version) AS newest_version,
+            max(g.policy_version) - min(g.policy_version) AS versions_spanned,
+            c.learner_step - 1 - min(g.policy_version) AS staleness
+        FROM {c}.consumptions c JOIN {c}.segments g USING (run_id, sample_id)
+        WHERE c.learner_step >= 0
+        GROUP BY c.run_id, c.sample_id, c.agent, c.learner_step""",
+    "in_flight_decodes": """SELECT s.run_id, s.sample_id, s.agent, s.turn, count(g.sample_id) AS segments,
+            CAST(coalesce(sum(len(g.token_ids)), 0) AS BIGINT) AS tokens_so_far,
+            max(g.policy_version) AS last_version, max(g.created_at) AS last_segment_at
+        FROM {c}.samples s
+        LEFT JOIN {c}.segments g USING (run_id, sample_id)
+        WHERE NOT EXISTS (SELECT 1 FROM {c}.rewards r WHERE r.run_id = s.run_id AND r.sample_id = s.sample_id)
+        GROUP BY s.run_id, s.sample_id, s.agent, s.turn""",
+    "train_step_metrics": "SELECT run_id, step, agent, created_at, "
+    + ", ".join(f"CAST(metrics_json->>'{m}' AS DOUBLE) AS {m}" for m in STEP_METRICS)
+    + " FROM {c}.train_steps",
+}
+
+
 def view_ddl(catalog: str) -> list[str]:
-    """The views a user queries with `marsrl sql` (rewards over time, latency, staleness, in flight)."""
-    c = catalog
-    return [
-        f"""CREATE VIEW IF NOT EXISTS {c}.rewards_per_agent AS
-            SELECT s.run_id, s.agent, date_trunc('minute', r.created_at) AS minute,
-                   avg(r.reward) AS mean_reward, count(*) AS samples,
-                   count(*) FILTER (WHERE r.outcome IN ('no_answer', 'no_verdict')) AS unparsable
-            FROM {c}.rewards r JOIN {c}.samples s USING (run_id, sample_id)
-            GROUP BY ALL ORDER BY minute""",
-        f"""CREATE VIEW IF NOT EXISTS {c}.pipeline_latency AS
-            SELECT s.run_id, s.agent, r.sample_id, r.created_at AS finished_at, c.created_at AS consumed_at,
-                   epoch(c.created_at) - epoch(r.created_at) AS latency_s
-            FROM {c}.rewards r JOIN {c}.samples s USING (run_id, sample_id)
-            JOIN {c}.consumptions c USING (run_id, sample_id)
-            WHERE c.learner_step >= 0""",
-        f"""CREATE VIEW IF NOT EXISTS {c}.staleness AS
-            SELECT c.run_id, c.sample_id, c.agent, c.learner_step,
-                   min(g.policy_version) AS oldest_version, max(g.policy_version) AS newest_version,
-                   max(g.policy_version) - min(g.policy_version) AS versions_spanned,
-                   c.learner_step - 1 - min(g.policy_version) AS staleness
-            FROM {c}.consumptions c JOIN {c}.segments g USING (run_id, sample_id)
-            WHERE c.learner_step >= 0
-            GROUP BY c.run_id, c.sample_id, c.agent, c.learner_step""",
-        f"""CREATE VIEW IF NOT EXISTS {c}.in_flight_decodes AS
-            SELECT s.run_id, s.sample_id, s.agent, s.turn, count(g.sample_id) AS segments,
-                   CAST(coalesce(sum(len(g.token_ids)), 0) AS BIGINT) AS tokens_so_far,
-                   max(g.policy_version) AS last_version, max(g.created_at) AS last_segment_at
-            FROM {c}.samples s
-            LEFT JOIN {c}.segments g USING (run_id, sample_id)
-            WHERE NOT EXISTS (SELECT 1 FROM {c}.rewards r WHERE r.run_id = s.run_id AND r.sample_id = s.sample_id)
-            GROUP BY s.run_id, s.sample_id, s.agent, s.turn""",
-    ]
+    """CREATE VIEW statements for the views users query (idempotent)."""
+    return [f"CREATE VIEW IF NOT EXISTS {catalog}.{name} AS {sql.format(c=catalog)}" for name, sql in VIEWS.items()]
