@@ -41,7 +41,38 @@ def test_metrics_match_a_hand_count():
     assert report.corrector_break_false_flag == 0.0  # a: flagged while right, kept right (both samples)
     # V-C: a is flagged then "corrected" to the same right answer; b fixed; c accepted while wrong.
     assert report.vc_acc == pytest.approx(4 / 6)
-    assert report.tokens_per_problem > 0 and report.verifier_unparsable == 0
+    assert report.tokens_per_problem > 0
+    assert report.truncated == report.unparsable == {"solver": 0, "verifier": 0, "corrector": 0}
+
+
+def test_truncated_and_unparsable_outputs_are_counted_per_agent_and_reported():
+    """Problem a: the Solver gives no answer, the Verifier no verdict. Problem b: the Solver runs past its
+    budget; its Verifier is cut off too; the Corrector answers. k=2: every count doubles."""
+    from marsrl_core.runtime.report import report_rows
+
+    problems = [Problem("a", "1+1", "2"), Problem("b", "2+2", "4")]
+    long = "x" * 100  # past the 64-token budget of the tiny character tokenizer
+    texts = {
+        ("S", "1+1"): "I do not know",
+        ("S", "2+2"): long,
+        ("V", "1+1"): "hmm",
+        ("V", "2+2"): long,
+        ("C", "1+1"): "no idea",
+        ("C", "2+2"): "Answer: 4",
+    }
+    engine = ScriptedEngine(lambda prompt: texts[tuple(prompt.split("|")[:2])])
+    gen = TextGenerator(engine, engine.tokenizer, 8, SamplingParams(temperature=0))
+    report = evaluate(
+        gen, Roles.from_config(base=TINY_TEMPLATES), problems, k=2, max_tokens=BUDGET, accept_after=1, max_rounds=1
+    )
+    assert report.truncated == {"solver": 2, "verifier": 2, "corrector": 0}
+    assert report.unparsable == {"solver": 2, "verifier": 2, "corrector": 2}
+    assert report.solver_acc == 0.0 and report.corrector_fix == pytest.approx(2 / 4)
+    rows = {row[0]: row[1:] for row in report_rows({"eval": report})}
+    assert rows["outputs cut by their budget: solver"] == ["2"] and rows[
+        "outputs with no answer or verdict: verifier"
+    ] == ["2"]
+    assert "outputs cut by their budget: corrector" not in rows  # a row appears where there is a case
 
 
 def test_rates_without_cases_are_nan():

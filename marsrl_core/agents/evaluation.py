@@ -15,6 +15,9 @@ the Corrector's. The skipped branches are counted per agent (`skipped`) and list
 agent, problem id, prompt tokens) for the caller to record. In the V-C loop a skipped step ends its
 worker unaccepted, so it counts against the V-C accuracy.
 
+Why a measure is low is counted per agent: `truncated` outputs ran out of their agent's budget;
+`unparsable` ones finished but hold no `\\boxed{}` answer (Solver, Corrector) or no verdict (Verifier).
+
 Deliberate simplifications: one Verifier/Corrector pass per Solver sample (not a group); a rate with
 no cases (say, no wrong solutions to fix) is reported as NaN rather than guessed.
 """
@@ -44,7 +47,6 @@ class EvalReport:
     verifier_precision: float  # of Wrong verdicts, the fraction on wrong solutions
     verifier_recall: float  # of wrong solutions, the fraction judged Wrong ("caught")
     verifier_bal_acc: float
-    verifier_unparsable: int
     corrector_fix: float
     corrector_break: float
     corrector_break_false_flag: float  # of right solutions judged Wrong, the fraction the Corrector broke
@@ -52,11 +54,17 @@ class EvalReport:
     tokens_per_problem: float
     skipped: dict[str, int] = field(default_factory=dict)  # per agent: prompts that did not fit the context
     skipped_prompts: list[tuple[str, str, int]] = field(default_factory=list)  # (agent, problem id, tokens)
+    truncated: dict[str, int] = field(default_factory=dict)  # per agent: outputs cut by the agent's budget
+    unparsable: dict[str, int] = field(default_factory=dict)  # per agent: finished, but no answer or verdict
+
+    COUNTS = ("skipped", "truncated", "unparsable")  # per-agent counts, `<count>_<agent>` in `as_dict`
 
     def as_dict(self) -> dict[str, float]:
-        """The measures (and the skipped count per agent as `skipped_<agent>`)."""
-        out = {k: v for k, v in self.__dict__.items() if k not in ("skipped", "skipped_prompts")}
-        return out | {f"skipped_{agent}": float(n) for agent, n in self.skipped.items()}
+        """The measures, and each per-agent count as `<count>_<agent>` (e.g. `truncated_solver`)."""
+        out = {k: v for k, v in self.__dict__.items() if k not in (*self.COUNTS, "skipped_prompts")}
+        for count in self.COUNTS:
+            out |= {f"{count}_{agent}": float(n) for agent, n in getattr(self, count).items()}
+        return out
 
 
 def evaluate(
@@ -84,7 +92,8 @@ def evaluate(
 
     rows = list(range(len(pairs)))
     solutions = complete(SOLVER, [roles.prompt(tok, SOLVER, pairs[r][0].prompt) for r in rows], rows)
-    right = {r: judge_solution(s.text, pairs[r][0].answer, s.truncated).correct for r, s in solutions.items()}
+    solver_judged = {r: judge_solution(s.text, pairs[r][0].answer, s.truncated) for r, s in solutions.items()}
+    right = {r: j.correct for r, j in solver_judged.items()}
 
     rows = list(solutions)
     reports = complete(
@@ -108,7 +117,8 @@ def evaluate(
         ],
         rows,
     )
-    fixed_right = {r: judge_solution(f.text, pairs[r][0].answer, f.truncated).correct for r, f in fixes.items()}
+    fixes_judged = {r: judge_solution(f.text, pairs[r][0].answer, f.truncated) for r, f in fixes.items()}
+    fixed_right = {r: j.correct for r, j in fixes_judged.items()}
     n_wrong_fixed = sum(not right[r] for r in fixes)
     fixed = sum(fr and not right[r] for r, fr in fixed_right.items())
     broken = sum(right[r] and not fr for r, fr in fixed_right.items())
@@ -142,7 +152,6 @@ def evaluate(
         verifier_precision=_rate(caught, flagged),
         verifier_recall=recall,
         verifier_bal_acc=sum(parts) / len(parts) if parts else math.nan,
-        verifier_unparsable=sum(v is None for v in verdicts.values()),
         corrector_fix=_rate(fixed, n_wrong_fixed),
         corrector_break=_rate(broken, len(fixes) - n_wrong_fixed),
         corrector_break_false_flag=_rate(false_flags.count(False), len(false_flags)),
@@ -150,4 +159,14 @@ def evaluate(
         tokens_per_problem=tokens / len(problems),
         skipped=skipped,
         skipped_prompts=skipped_prompts,
+        truncated={
+            SOLVER: sum(s.truncated for s in solutions.values()),
+            VERIFIER: sum(v.truncated for v in reports.values()),
+            CORRECTOR: sum(f.truncated for f in fixes.values()),
+        },
+        unparsable={
+            SOLVER: sum(j.outcome == "no_answer" for j in solver_judged.values()),
+            VERIFIER: sum(verdicts[r] is None and not reports[r].truncated for r in reports),
+            CORRECTOR: sum(j.outcome == "no_answer" for j in fixes_judged.values()),
+        },
     )

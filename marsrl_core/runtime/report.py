@@ -23,9 +23,18 @@ MEASURES = [
 ]
 
 
+# Per-agent counts that say why a measure is low, as (EvalReport count, row label); a row appears when
+# any report has a case.
+COUNTS = [
+    ("truncated", "outputs cut by their budget"),
+    ("unparsable", "outputs with no answer or verdict"),
+    ("skipped", "prompts skipped as too long"),
+]
+
+
 def report_rows(reports: dict[str, EvalReport | dict]) -> list[list[str]]:
     """The before/after table's rows (the measure, then one value per report): a measure with no cases
-    is "n/a", and prompts skipped as too long for the context are counted per agent."""
+    is "n/a"; truncated and unparsable outputs, and prompts skipped as too long, are counted per agent."""
     # a dict is a recorded evaluation: one recorded before a measure existed lacks it
     dicts = [r if isinstance(r, dict) else r.as_dict() for r in reports.values()]
     rows = []
@@ -37,10 +46,9 @@ def report_rows(reports: dict[str, EvalReport | dict]) -> list[list[str]]:
                 *["n/a" if math.isnan(v) else (f"{v:.0f}" if key.startswith("tokens") else f"{v:.1%}") for v in values],
             ]
         )
-    for key in sorted({k for d in dicts for k, v in d.items() if k.startswith("skipped_") and v}):
-        rows.append(
-            [f"prompts skipped as too long: {key.removeprefix('skipped_')}", *[f"{d.get(key, 0):.0f}" for d in dicts]]
-        )
+    for count, label in COUNTS:
+        for key in sorted({k for d in dicts for k, v in d.items() if k.startswith(f"{count}_") and v}):
+            rows.append([f"{label}: {key.removeprefix(count + '_')}", *[f"{d.get(key, 0):.0f}" for d in dicts]])
     return rows
 
 
