@@ -5,13 +5,14 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from flows.logs import say
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.runtime import work
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate(config: MarsRLConfig, run_id: str, label: str, checkpoint: str | None = None) -> dict[str, float]:
-    return work.evaluate(config, run_id, label, checkpoint)
+    return work.evaluate(config, run_id, label, checkpoint, log=say)
 
 
 @task(name="compact-store", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)

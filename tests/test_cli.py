@@ -22,6 +22,7 @@ def test_eval_on_aime_records_metrics_and_rejects_oversized_prompts(where, tmp_p
     assert code == 0
     out = capsys.readouterr().out
     assert "Solver accuracy" in out and "V-C system accuracy" in out
+    assert "evaluation solver: 3 outputs to decode" in out and "evaluation corrector: done" in out  # not a terminal
     store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
     [row] = store.query("SELECT metrics_json, dataset FROM evaluations").to_pylist()
     metrics = json.loads(row["metrics_json"])

@@ -159,3 +159,100 @@ def test_marsrl_eval_evaluates_the_checkpoint_it_is_given_and_says_which(tmp_pat
         assert main(["eval", *args, "--checkpoint", spec]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: --checkpoint") and error in err and len(err.strip().splitlines()) == 1
+
+
+class _Recorder:
+    """A `runtime.progress.Progress` that keeps every event."""
+
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    def phase(self, label, outputs):
+        self.events.append(("phase", label, outputs))
+
+    def segment(self, segments, tokens, active):
+        self.events.append(("segment", segments, tokens, active))
+
+
+def test_progress_sees_each_phase_and_segment_and_changes_nothing(tmp_path):
+    """A real tiny model sampling at temperature 1: the report is the same with progress as without, and
+    progress sees the Solver, Verifier and Corrector phases, then each V-C round, segment by segment."""
+    from marsrl_core.config import load_config
+    from marsrl_core.demo.tiny import build_tiny_model
+    from marsrl_core.runtime.evaluate import evaluate_policy
+    from marsrl_core.runtime.progress import LogProgress
+    from marsrl_core.store import SegmentStore
+
+    build_tiny_model(tmp_path / "m", seed=0, max_position_embeddings=512)
+    cfg = load_config(
+        "tiny",
+        None,
+        [
+            f"store.catalog_url=sqlite:{tmp_path}/l.sqlite",
+            f"store.data_path={tmp_path}/d",
+            "evaluation.num_problems=2",
+            "evaluation.k=2",
+            "evaluation.max_rounds=1",
+            "evaluation.accept_after=1",
+            "seed=5",
+        ],
+    )
+    store = SegmentStore.from_config(cfg.store)
+    plain = evaluate_policy(cfg, store, "r", "plain", folder=tmp_path / "m")
+    recorder = _Recorder()
+    watched = evaluate_policy(cfg, store, "r", "watched", folder=tmp_path / "m", progress=recorder)
+    assert repr(watched.as_dict()) == repr(plain.as_dict())  # NaN-safe equality of every measure
+    phases = [e[1:] for e in recorder.events if e[0] == "phase"]
+    assert phases[:3] == [("solver", 4), ("verifier", 4), ("corrector", 4)]
+    assert phases[3:] == [("V-C round 1 verifier", 4)]  # one round: no Corrector call after the last verdict
+    # Within a phase: segments count up from 1, tokens never fall, and the last segment leaves none active.
+    runs, current = [], None
+    for event in recorder.events:
+        if event[0] == "phase":
+            current = []
+            runs.append(current)
+        else:
+            current.append(event[1:])
+    for segments in runs:
+        assert [s[0] for s in segments] == list(range(1, len(segments) + 1))
+        assert all(a[1] <= b[1] for a, b in zip(segments, segments[1:])) and segments[-1][2] == 0
+    # The Solver phase decoded exactly the Solver's tokens: tokens_per_problem counts them and the loop's.
+    solver_tokens = runs[0][-1][1]
+    assert 0 < solver_tokens <= watched.tokens_per_problem * watched.problems
+
+    lines = []
+    progress = LogProgress(lines.append, every_s=0.0)
+    evaluate_policy(cfg, store, "r", "logged", folder=tmp_path / "m", progress=progress)
+    progress.close()
+    assert lines[0] == "evaluation solver: 4 outputs to decode"
+    assert any(line.startswith("evaluation solver: done, ") and f"{solver_tokens} tokens" in line for line in lines)
+    assert any("/4 finished" in line for line in lines) and lines[-1].startswith(
+        "evaluation V-C round 1 verifier: done"
+    )
+
+
+def test_the_terminal_progress_bar_shows_each_phase():
+    import io
+
+    from rich.console import Console
+
+    from marsrl_core.runtime.progress import BarProgress
+
+    engine = ScriptedEngine(lambda p: "Answer: 2" if p[0] in "SC" else "Correctness: Wrong")
+    gen = TextGenerator(engine, engine.tokenizer, 4, SamplingParams(temperature=0))
+    screen = io.StringIO()
+    with BarProgress(Console(file=screen, force_terminal=True, width=120)) as progress:
+        evaluate(
+            gen,
+            Roles.from_config(base=TINY_TEMPLATES),
+            [Problem("a", "1+1", "2")],
+            k=3,
+            max_tokens=BUDGET,
+            accept_after=1,
+            max_rounds=2,
+            progress=progress,
+        )
+    shown = screen.getvalue()
+    for label in ("solver", "verifier", "corrector", "V-C round 1 verifier", "V-C round 1 corrector", "V-C round 2"):
+        assert label in shown, label
+    assert "3/3" in shown and "segments" in shown and "tokens" in shown

@@ -285,8 +285,12 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
         tasks = {r.name for r in client.read_task_runs()}
         (learner,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["learner-t1"])))
         logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[learner.id])))]
+        every = [log.message for log in client.read_logs()]
     assert "rollout-batch-0" in flows and {"train-step-1", "train-step-2"} <= tasks
     assert any(m.startswith("learner step 2: ") and "reward" in m for m in logs), logs
+    # Evaluation progress by phase in the run's logs (the UI): the Solver's phase and a V-C round.
+    assert any(m.startswith("evaluation solver: ") and "outputs to decode" in m for m in every)
+    assert any(m.startswith("evaluation V-C round 1 verifier: done, ") for m in every)
 
 
 def test_a_resumed_run_continues_its_mlflow_run_which_ends_failed_then_finished(tmp_path, monkeypatch):

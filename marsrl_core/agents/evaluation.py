@@ -27,12 +27,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.reasoning import run_vc_loop
 from marsrl_core.agents.rewards import answers_match, judge_solution
 from marsrl_core.agents.roles import CORRECT, CORRECTOR, SOLVER, VERIFIER, WRONG, Roles, parse_bug_report, parse_verdict
-from marsrl_core.engines.base import TextGenerator, for_role
+from marsrl_core.engines.base import TextGenerator, complete_as, for_role
 
 
 def _rate(hits: int, total: int) -> float:
@@ -76,8 +77,10 @@ def evaluate(
     max_tokens: dict[str, int],
     accept_after: int = 4,
     max_rounds: int = 10,
+    progress: Any = None,
 ) -> EvalReport:
-    """Measure Solver, Verifier, Corrector and the V-C system on `problems` (k samples each)."""
+    """Measure Solver, Verifier, Corrector and the V-C system on `problems` (k samples each); each
+    agent's batched call is a phase of `progress` (`runtime.progress.Progress`) when one is given."""
     if not problems or k < 1:
         raise ValueError(f"evaluate: need at least one problem and k >= 1 (got {len(problems)} problems, k={k})")
     tok = for_role(generator, SOLVER).tokenizer
@@ -86,7 +89,7 @@ def evaluate(
 
     def complete(role: str, prompts: list[str], rows: list[int]) -> dict[int, object]:
         """The completions of `prompts` (one per pair index in `rows`) that were not skipped."""
-        outs = for_role(generator, role).complete(prompts, max_tokens[role])
+        outs = complete_as(generator, role, prompts, max_tokens[role], progress)
         skipped_prompts.extend((role, pairs[r][0].problem_id, o.prompt_tokens) for r, o in zip(rows, outs) if o.skipped)
         return {r: o for r, o in zip(rows, outs) if not o.skipped}
 
@@ -139,6 +142,7 @@ def evaluate(
         max_rounds=max_rounds,
         max_tokens=max_tokens,
         initial_solutions=initial,
+        progress=progress,
     )
     vc_right = [answers_match(w.answer, problems[pi].answer) for pi, workers in zip(looped, vc) for w in workers]
     tokens = sum(len(s.token_ids) for s in solutions.values()) + sum(w.tokens for workers in vc for w in workers)

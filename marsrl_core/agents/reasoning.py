@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from marsrl_core.agents.roles import (
     CORRECT,
@@ -29,7 +30,7 @@ from marsrl_core.agents.roles import (
     parse_bug_report,
     parse_verdict,
 )
-from marsrl_core.engines.base import TextGenerator, for_role
+from marsrl_core.engines.base import TextGenerator, complete_as, for_role
 
 
 @dataclass
@@ -76,8 +77,10 @@ def run_vc_loop(
     max_rounds: int = 10,
     max_tokens: dict[str, int],
     initial_solutions: Sequence[Sequence[str]] | None = None,
+    progress: Any = None,
 ) -> list[list[VCResult]]:
-    """Run the V-C loop for every problem with `workers` independent workers; results[p][w]."""
+    """Run the V-C loop for every problem with `workers` independent workers; results[p][w]. Each
+    batched call is a phase of `progress` (`runtime.progress.Progress`) when one is given."""
     if accept_after < 1 or max_rounds < 1 or workers < 1:
         raise ValueError(
             f"run_vc_loop: accept_after={accept_after}, max_rounds={max_rounds}, workers={workers} must all be >= 1"
@@ -88,7 +91,7 @@ def run_vc_loop(
     ]
     if initial_solutions is None:
         prompts = [roles.prompt(tokenizer, SOLVER, lp.problem) for lp in loops]
-        for lp, out in zip(loops, for_role(generator, SOLVER).complete(prompts, max_tokens[SOLVER])):
+        for lp, out in zip(loops, complete_as(generator, SOLVER, prompts, max_tokens[SOLVER], progress, "V-C solver")):
             lp.current.text, lp.result.tokens = out.text, len(out.token_ids)
     else:
         for lp in loops:
@@ -101,7 +104,8 @@ def run_vc_loop(
         if not active:
             break
         prompts = [roles.prompt(tokenizer, VERIFIER, lp.problem, lp.current.text) for lp in active]
-        reports = for_role(generator, VERIFIER).complete(prompts, max_tokens[VERIFIER])
+        label = f"V-C round {round_index} verifier"
+        reports = complete_as(generator, VERIFIER, prompts, max_tokens[VERIFIER], progress, label)
         to_correct = []
         for lp, report in zip(active, reports):
             if report.skipped:  # the solution is too long for the Verifier's prompt: the worker stops here
@@ -122,9 +126,9 @@ def run_vc_loop(
             prompts = [
                 roles.prompt(tokenizer, CORRECTOR, lp.problem, lp.current.text, report) for lp, report in to_correct
             ]
-            for (lp, _), out in zip(
-                to_correct, for_role(generator, CORRECTOR).complete(prompts, max_tokens[CORRECTOR])
-            ):
+            label = f"V-C round {round_index} corrector"
+            revisions = complete_as(generator, CORRECTOR, prompts, max_tokens[CORRECTOR], progress, label)
+            for (lp, _), out in zip(to_correct, revisions):
                 if out.skipped:  # too long to revise: the worker stops with what it has
                     lp.done = True
                     continue

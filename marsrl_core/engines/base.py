@@ -16,7 +16,7 @@ tokenizer's `eos_token_id`.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -90,8 +90,10 @@ def generate(
     max_tokens: int,
     segment_tokens: int,
     sampling: SamplingParams = SamplingParams(),
+    on_segment: Callable[[int, int, int], None] | None = None,
 ) -> list[Completion]:
-    """Decode every prompt to its end (EOS) or `max_tokens`, one batched segment at a time.
+    """Decode every prompt to its end (EOS) or `max_tokens`, one batched segment at a time; after each,
+    `on_segment(segments, tokens decoded, outputs still decoding)` when given.
 
     With a seed, prompt i samples under its own seed derived from (seed, i): identical prompts still
     give independent samples, and the same call gives the same outputs again."""
@@ -101,6 +103,7 @@ def generate(
         for i in range(len(prompts))
     ]
     active = list(range(len(prompts)))
+    segments = tokens = 0
     while active:
         requests = [
             SegmentRequest(
@@ -125,6 +128,9 @@ def generate(
             else:
                 still.append(i)
         active = still
+        segments, tokens = segments + 1, tokens + sum(len(r.token_ids) for r in results)
+        if on_segment is not None:
+            on_segment(segments, tokens, len(active))
     return outputs
 
 
@@ -154,14 +160,16 @@ class TextGenerator:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def complete(self, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
+    def complete(
+        self, prompts: Sequence[str], max_tokens: int, on_segment: Callable[[int, int, int], None] | None = None
+    ) -> list[Completion]:
         """Each prompt's completion; a prompt that does not fit the engine's context with `max_tokens`
         is skipped (`Completion.skipped`, with its `prompt_tokens`), as rollouts reject one, so that one
-        long prompt does not end a whole evaluation."""
+        long prompt does not end a whole evaluation. `on_segment` as in `generate`."""
         encoded = [self.encode(p) for p in prompts]
         fits = [i for i, ids in enumerate(encoded) if self.context is None or len(ids) + max_tokens <= self.context]
         decoded = generate(
-            self.engine, [encoded[i] for i in fits], max_tokens, self.segment_tokens, self._next_sampling()
+            self.engine, [encoded[i] for i in fits], max_tokens, self.segment_tokens, self._next_sampling(), on_segment
         )
         outputs = [Completion(finish_reason="skipped", prompt_tokens=len(ids)) for ids in encoded]
         for i, out in zip(fits, decoded):
@@ -175,3 +183,19 @@ class TextGenerator:
 def for_role(generator: TextGenerator | dict[str, TextGenerator], role: str) -> TextGenerator:
     """The generator of `role`: the same one for all roles (shared policy) or one per role."""
     return generator[role] if isinstance(generator, dict) else generator
+
+
+def complete_as(
+    generator: TextGenerator | dict[str, TextGenerator],
+    role: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    progress: Any = None,
+    label: str | None = None,
+) -> list[Completion]:
+    """`role`'s completions of `prompts`, announced to `progress` (a `runtime.progress.Progress`) as
+    the phase `label` (default the role) when one is given."""
+    if progress is None:
+        return for_role(generator, role).complete(prompts, max_tokens)
+    progress.phase(label or role, len(prompts))
+    return for_role(generator, role).complete(prompts, max_tokens, progress.segment)

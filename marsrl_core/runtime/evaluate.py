@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from marsrl_core.agents.evaluation import EvalReport, evaluate
 from marsrl_core.agents.problems import Problem, load_problems
@@ -101,9 +102,11 @@ def resolve_checkpoint(cfg: MarsRLConfig, store: Store, spec: str | None) -> tup
     return Path(latest[1]), f"run {run_id} version {latest[0]} (its newest)"
 
 
-def evaluate_policy(cfg: MarsRLConfig, store: Store, run_id: str, label: str, folder: Path | None = None) -> EvalReport:
+def evaluate_policy(
+    cfg: MarsRLConfig, store: Store, run_id: str, label: str, folder: Path | None = None, progress: Any = None
+) -> EvalReport:
     """Evaluate a policy (see `evaluation_generators` for `folder`; the run's starting policy when None)
-    and record the metrics."""
+    and record the metrics; `progress` (`runtime.progress.Progress`) sees each phase and segment."""
     generator = evaluation_generators(cfg, Path(folder) if folder is not None else policy_folder(cfg))
     ev = cfg.evaluation
     problems = evaluation_problems(cfg, store, run_id, generator["solver"].tokenizer)
@@ -117,6 +120,7 @@ def evaluate_policy(cfg: MarsRLConfig, store: Store, run_id: str, label: str, fo
         max_tokens=budgets,
         accept_after=ev.accept_after,
         max_rounds=ev.max_rounds,
+        progress=progress,
     )
     metrics = report.as_dict() | {"wall_clock_s": time.perf_counter() - start}
     context = generator["solver"].context

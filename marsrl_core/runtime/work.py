@@ -20,6 +20,7 @@ enforced per rollout turn, not across them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,14 +143,20 @@ def train_step(
     return {"step": report.step, "checkpoint": str(report.checkpoint), "metrics": report.metrics}
 
 
-def evaluate(cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None = None) -> dict[str, float]:
+def evaluate(
+    cfg: MarsRLConfig, run_id: str, label: str, checkpoint: str | None = None, log: Callable[[str], None] | None = None
+) -> dict[str, float]:
     """Evaluate a policy (the starting one, or a checkpoint folder), record it in the store, and log it to
-    the run's MLflow run when this process has one."""
+    the run's MLflow run when this process has one; its progress goes to `log` as lines when given."""
     from marsrl_core.runtime.evaluate import evaluate_policy
+    from marsrl_core.runtime.progress import LogProgress
 
     rt = runtime()
     folder = None if checkpoint is None else Path(checkpoint)
-    report = evaluate_policy(cfg, rt.store(cfg), run_id, label, folder=folder)
+    progress = LogProgress(log) if log is not None else None
+    report = evaluate_policy(cfg, rt.store(cfg), run_id, label, folder=folder, progress=progress)
+    if progress is not None:
+        progress.close()
     if rt.has_tracker(run_id):
         rt.tracker(cfg, run_id).log_metrics({f"eval_{label}/{k}": v for k, v in report.as_dict().items()})
     return report.as_dict()
