@@ -72,6 +72,7 @@ ABLATIONS = {
 
 def cmd_ablate(args: argparse.Namespace) -> int:
     from flows.server import local_server
+    from flows.sft import sft_flow
     from flows.train import train_flow
     from marsrl_core.config import load_config
     from marsrl_core.runtime.report import print_spread, spread
@@ -82,22 +83,28 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         raise ConfigError(f"ablation {unknown[0]!r}: unknown; choose from {sorted(ABLATIONS)}")
     if args.seeds < 1:
         raise ConfigError(f"--seeds {args.seeds}: at least 1")
-    first_seed = load_config(args.preset, args.config_file, args.overrides).seed
-    figures: dict[str, dict] = {}
+    base = load_config(args.preset, args.config_file, args.overrides)
+    overrides, first_seed = list(args.overrides), base.seed
+    if base.sft.enabled and base.model.path is None:  # one warm start (the first seed's) for every variant and seed
+        with local_server():
+            folder = sft_flow(base)
+        overrides += [f"model.path={folder}", "sft.enabled=false"]
+    results = Path(args.results)
+    figures: dict[str, dict] = json.loads(results.read_text()) if results.is_file() else {}
     for name in names:
         runs = []
         for seed in range(first_seed, first_seed + args.seeds):
             run_name = f"ablate-{name}" + (f"-seed{seed}" if args.seeds > 1 else "")
             extra = [*ABLATIONS[name], f"seed={seed}", f"run_name={run_name}"]
-            cfg = load_config(args.preset, args.config_file, [*args.overrides, *extra])
+            cfg = load_config(args.preset, args.config_file, [*overrides, *extra])
             core_cli.console.rule(f"ablation: {name}, seed {seed}")
             start = time.perf_counter()
             with local_server():
                 result = train_flow(cfg)
             runs.append(train_summary(result, cfg.seed, time.perf_counter() - start))
         figures[name] = spread(runs)
-        _write_json(Path(args.results), figures)  # after every variant: a long ablation keeps what it measured
-    print_spread(core_cli.console, figures)
+        _write_json(results, figures)  # after every variant: a long ablation keeps what it measured
+    print_spread(core_cli.console, {name: figures[name] for name in names})
     core_cli.console.print(f"figures written to {args.results}")
     return 0
 
@@ -219,7 +226,11 @@ def _ablate_setup(parser: argparse.ArgumentParser) -> None:
         help="Runs per variant, seeds seed..seed+N-1 (the config's seed first); the table and ablations.json give "
         "each measure's mean and sd over them (sd needs 2 or more).",
     )
-    parser.add_argument("--results", default="benchmarks/results/ablations.json", help="Where to write the figures.")
+    parser.add_argument(
+        "--results",
+        default="benchmarks/results/ablations.json",
+        help="Where to write the figures: each variant run replaces its entry; the file's other variants stay.",
+    )
 
 
 def _rollout_setup(parser: argparse.ArgumentParser) -> None:

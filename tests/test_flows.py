@@ -484,9 +484,12 @@ def test_marsrl_ablate_runs_each_variant_and_writes_train_json_keys(tmp_path, ca
     path = tmp_path / "small.yaml"
     path.write_text(config_to_yaml(cfg))
     results = tmp_path / "ablations.json"
+    earlier = {"seeds": 3, "mean": {}, "sd": {}, "runs": []}
+    results.write_text(json.dumps({"random_selection": earlier, "marsrl": {"seeds": 9}}))
     args = ["ablate", "marsrl", "synchronous", "--seeds", "2", "--config", str(path), "--results", str(results)]
     assert main(args) == 0
     variants = json.loads(results.read_text())
+    assert variants.pop("random_selection") == earlier  # a variant not run again keeps its entry
     assert set(variants) == {"marsrl", "synchronous"}
     assert all(
         v["seeds"] == 2 and [r["seed"] for r in v["runs"]] == [cfg.seed, cfg.seed + 1] for v in variants.values()
