@@ -43,8 +43,10 @@ _QUIET = _Quiet()
 
 def set_verbosity(verbose: bool) -> None:
     """Prefect's lines on the terminal: quiet (the default) or verbose (`marsrl_core.cli` does vLLM's)."""
+    from prefect.logging.configuration import ensure_logging_setup
     from prefect.logging.handlers import PrefectConsoleHandler
 
+    ensure_logging_setup()  # Prefect makes its handlers lazily; the filter goes on its console handler
     _QUIET.enabled = not verbose
     for logger in (logging.getLogger(), logging.getLogger("uvicorn"), logging.getLogger("fastapi")):
         for handler in logger.handlers:

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+from prefect.logging.handlers import APILogHandler
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
 STARTUP_TIMEOUT_S = 180.0  # a busy 2-core machine has taken over 20 s (Prefect's own temporary-server limit)
@@ -71,7 +72,10 @@ def local_server(timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str | None]:
     try:
         _wait_until_healthy(server, errors, url, timeout_s)
         with temporary_settings({PREFECT_API_URL: url}):
-            yield url
+            try:
+                yield url
+            finally:
+                APILogHandler().flush()  # the run's last log lines reach the server before it stops
     finally:
         server.terminate()
         try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
@@ -426,6 +428,25 @@ def test_marsrl_train_command_prints_the_before_after_table_and_is_quiet_without
     assert "had finished" in out and "Solver accuracy" in out
     assert "Finished in state" in err  # -v: Prefect's own lines too
     assert counts() == before and not again.exists()
+
+
+def test_a_fresh_marsrl_process_is_quiet_without_v_and_loses_no_log_line_at_exit(tmp_path):
+    """`marsrl sft` (the committed warm start: no training) in its own process, with its own temporary
+    Prefect server: its line shows, Prefect's state lines do not (with -v they do: the train command's
+    test), and no log line is left unsent when the server stops."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("PREFECT_API_URL", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "sft"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    shown = run.stdout + run.stderr
+    assert run.returncode == 0 and "warm start: " in shown, shown
+    assert "Finished in state" not in shown and "Error logging to API" not in shown, shown
 
 
 def test_marsrl_core_never_imports_prefect():
