@@ -295,6 +295,36 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     assert any(m.startswith("evaluation V-C round 1 verifier: done, ") for m in every)
 
 
+def test_train_flow_on_aime_with_a_random_qwen3_and_its_real_tokenizer(tmp_path):
+    """The real-model path through the train flow (hf engine): chat-templated prompts of the default
+    templates over Qwen3's real vocabulary, two learner steps, and a checkpoint that loads as a model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flows.train import train_flow
+    from marsrl_core.store import SegmentStore
+    from tests.qwen3 import build_qwen3
+    from tests.test_problems import _aime
+
+    model = build_qwen3(tmp_path / "qwen3")
+    aime = str(_aime())
+    cfg = small_config(
+        tmp_path,
+        **{"model.path": model, "roles.templates": "default", "data.train_dataset": aime, "evaluation.dataset": aime},
+    )
+    result = train_flow(cfg, "q3")
+    assert result["learner_steps"] == 2 and result["before"]["truncated_solver"] == 2  # random weights: cut off
+    store = SegmentStore.from_config(cfg.store)
+    [first] = store.query(
+        "SELECT prompt_tokens FROM samples WHERE run_id = 'q3' AND agent = 'solver' LIMIT 1"
+    ).to_pylist()
+    assert first["prompt_tokens"][0] == 151644  # <|im_start|>: the chat template, as one special token
+    top = store.query("SELECT max(list_max(token_ids)) AS m FROM segments WHERE run_id = 'q3'").column("m")[0].as_py()
+    assert top > 100_000  # sampled over the real vocabulary, not the tiny one
+    (folder,) = (tmp_path / "out").rglob("v2/policy")
+    assert AutoModelForCausalLM.from_pretrained(folder).config.model_type == "qwen3"
+    assert AutoTokenizer.from_pretrained(folder).chat_template  # the checkpoint is a whole model folder
+
+
 def test_a_resumed_run_continues_its_mlflow_run_which_ends_failed_then_finished(tmp_path, monkeypatch):
     import mlflow
 

@@ -1,0 +1,47 @@
+"""A random-init Qwen3 with Qwen3's real tokenizer and chat template (`tests/data/qwen3-tokenizer`, see
+its README for provenance), to test the real-model path: no weights can be downloaded here.
+
+The model is sized for speed (hidden 32, 2 layers); the vocabulary is Qwen3's real 151,936 rows, so
+the output layer, sampling and log-probs see a real model's vocabulary."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data" / "qwen3-tokenizer"
+
+
+def qwen3_tokenizer_files(folder: Path) -> Path:
+    """Qwen3's `tokenizer.json` (unpacked) and `tokenizer_config.json` in `folder`; returns it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with gzip.open(DATA / "tokenizer.json.gz", "rb") as src, open(folder / "tokenizer.json", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    shutil.copy(DATA / "tokenizer_config.json", folder / "tokenizer_config.json")
+    return folder
+
+
+def build_qwen3(folder: Path, max_position_embeddings: int = 2048, seed: int = 0) -> Path:
+    """Save a random-init Qwen3ForCausalLM and the real tokenizer to `folder`; returns it."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    qwen3_tokenizer_files(folder)
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
+    )
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    return folder
