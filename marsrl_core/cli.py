@@ -155,7 +155,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:  # a pipe or a file: a line per phase, and one every 15 s while it decodes
         progress = LogProgress(lambda line: console.print(line, highlight=False, soft_wrap=True))
         report = evaluate_policy(cfg, store, run_id, "eval", folder=folder, progress=progress)
-        progress.close()
     print_report(console, {"eval": report})
     console.print(f"recorded as run {run_id} (table evaluations)")
     return 0
@@ -217,7 +216,7 @@ def set_engine_verbosity(verbose: bool) -> None:
     for variable, logger in (("VLLM_LOGGING_LEVEL", "vllm"), ("MLFLOW_LOGGING_LEVEL", "mlflow")):
         if os.environ.get(variable) in (None, "INFO", "WARNING"):
             os.environ[variable] = level  # read when the library is imported, here and in its child processes
-        logging.getLogger(logger).setLevel(level)  # where this process has imported it already
+            logging.getLogger(logger).setLevel(level)  # where this process has imported it already
 
 
 def main(argv: Sequence[str] | None = None, extra_commands: dict | None = None, before: Callable | None = None) -> int:

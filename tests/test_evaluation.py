@@ -85,9 +85,16 @@ def test_rates_without_cases_are_nan():
     assert math.isnan(report.corrector_break_false_flag)  # nothing was flagged
 
 
+def _eval_config(tmp_path, *overrides: str):
+    """The tiny preset with its store under `tmp_path`, 2 problems, one V-C round, then `overrides`."""
+    from marsrl_core.config import load_config
+
+    where = [f"store.catalog_url=sqlite:{tmp_path}/l.sqlite", f"store.data_path={tmp_path}/d"]
+    return load_config("tiny", None, [*where, "evaluation.num_problems=2", "evaluation.max_rounds=1", *overrides])
+
+
 def test_per_agent_checkpoints_evaluate_each_role_with_its_own_model(tmp_path):
     """A per-agent checkpoint folder holds solver/verifier/corrector models; each role uses its own."""
-    from marsrl_core.config import load_config
     from marsrl_core.demo.tiny import build_tiny_model
     from marsrl_core.runtime.evaluate import evaluate_policy
     from marsrl_core.store import SegmentStore
@@ -95,17 +102,7 @@ def test_per_agent_checkpoints_evaluate_each_role_with_its_own_model(tmp_path):
     ckpt = tmp_path / "v1"
     for i, agent in enumerate(("solver", "verifier", "corrector")):
         build_tiny_model(ckpt / agent, seed=i, max_position_embeddings=512)
-    cfg = load_config(
-        "tiny",
-        None,
-        [
-            f"store.catalog_url=sqlite:{tmp_path}/l.sqlite",
-            f"store.data_path={tmp_path}/d",
-            "evaluation.num_problems=2",
-            "evaluation.k=1",
-            "evaluation.max_rounds=1",
-        ],
-    )
+    cfg = _eval_config(tmp_path, "evaluation.k=1")
     store = SegmentStore.from_config(cfg.store)
     report = evaluate_policy(cfg, store, "r", "after", folder=ckpt)
     assert report.problems == 2
@@ -173,30 +170,20 @@ class _Recorder:
     def segment(self, segments, tokens, active):
         self.events.append(("segment", segments, tokens, active))
 
+    def close(self):
+        self.events.append(("close",))
+
 
 def test_progress_sees_each_phase_and_segment_and_changes_nothing(tmp_path):
     """A real tiny model sampling at temperature 1: the report is the same with progress as without, and
     progress sees the Solver, Verifier and Corrector phases, then each V-C round, segment by segment."""
-    from marsrl_core.config import load_config
     from marsrl_core.demo.tiny import build_tiny_model
     from marsrl_core.runtime.evaluate import evaluate_policy
     from marsrl_core.runtime.progress import LogProgress
     from marsrl_core.store import SegmentStore
 
     build_tiny_model(tmp_path / "m", seed=0, max_position_embeddings=512)
-    cfg = load_config(
-        "tiny",
-        None,
-        [
-            f"store.catalog_url=sqlite:{tmp_path}/l.sqlite",
-            f"store.data_path={tmp_path}/d",
-            "evaluation.num_problems=2",
-            "evaluation.k=2",
-            "evaluation.max_rounds=1",
-            "evaluation.accept_after=1",
-            "seed=5",
-        ],
-    )
+    cfg = _eval_config(tmp_path, "evaluation.k=2", "evaluation.accept_after=1", "seed=5")
     store = SegmentStore.from_config(cfg.store)
     plain = evaluate_policy(cfg, store, "r", "plain", folder=tmp_path / "m")
     recorder = _Recorder()
@@ -205,9 +192,10 @@ def test_progress_sees_each_phase_and_segment_and_changes_nothing(tmp_path):
     phases = [e[1:] for e in recorder.events if e[0] == "phase"]
     assert phases[:3] == [("solver", 4), ("verifier", 4), ("corrector", 4)]
     assert phases[3:] == [("V-C round 1 verifier", 4)]  # one round: no Corrector call after the last verdict
+    assert recorder.events[-1] == ("close",) and recorder.events.count(("close",)) == 1  # evaluate ends it
     # Within a phase: segments count up from 1, tokens never fall, and the last segment leaves none active.
     runs, current = [], None
-    for event in recorder.events:
+    for event in recorder.events[:-1]:
         if event[0] == "phase":
             current = []
             runs.append(current)
@@ -222,8 +210,7 @@ def test_progress_sees_each_phase_and_segment_and_changes_nothing(tmp_path):
 
     lines = []
     progress = LogProgress(lines.append, every_s=0.0)
-    evaluate_policy(cfg, store, "r", "logged", folder=tmp_path / "m", progress=progress)
-    progress.close()
+    evaluate_policy(cfg, store, "r", "logged", folder=tmp_path / "m", progress=progress)  # it ends the last phase
     assert lines[0] == "evaluation solver: 4 outputs to decode"
     assert any(line.startswith("evaluation solver: done, ") and f"{solver_tokens} tokens" in line for line in lines)
     assert any("/4 finished" in line for line in lines) and lines[-1].startswith(

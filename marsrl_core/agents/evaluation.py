@@ -144,6 +144,8 @@ def evaluate(
         initial_solutions=initial,
         progress=progress,
     )
+    if progress is not None:
+        progress.close()  # the last phase's closing line
     vc_right = [answers_match(w.answer, problems[pi].answer) for pi, workers in zip(looped, vc) for w in workers]
     tokens = sum(len(s.token_ids) for s in solutions.values()) + sum(w.tokens for workers in vc for w in workers)
     skipped = {role: sum(agent == role for agent, _, _ in skipped_prompts) for role in (SOLVER, VERIFIER, CORRECTOR)}

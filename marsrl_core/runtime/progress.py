@@ -20,6 +20,9 @@ class Progress(Protocol):
     def segment(self, segments: int, tokens: int, active: int) -> None:
         """One more segment of the current phase: totals so far, and the outputs still decoding."""
 
+    def close(self) -> None:
+        """The evaluation's phases are over."""
+
 
 class LogProgress:
     """One line when a phase starts and when it ends, and one every `every_s` seconds in between (Prefect's
@@ -48,7 +51,7 @@ class LogProgress:
             self.log(self._line())
 
     def close(self) -> None:
-        """The current phase's last line (also called by the next phase)."""
+        """The current phase's last line (also called by the next phase; again, a no-op)."""
         if self.label:
             self.log(self._line(done=True))
             self.label = ""
@@ -84,3 +87,6 @@ class BarProgress:
     def segment(self, segments: int, tokens: int, active: int) -> None:
         total = self.bars.tasks[-1].total or 0
         self.bars.update(self.task, completed=total - active, detail=f"{segments} segments, {tokens} tokens")
+
+    def close(self) -> None:
+        """Nothing to add: each phase's bar already shows its end; `__exit__` stops the display."""

@@ -155,8 +155,6 @@ def evaluate(
     folder = None if checkpoint is None else Path(checkpoint)
     progress = LogProgress(log) if log is not None else None
     report = evaluate_policy(cfg, rt.store(cfg), run_id, label, folder=folder, progress=progress)
-    if progress is not None:
-        progress.close()
     if rt.has_tracker(run_id):
         rt.tracker(cfg, run_id).log_metrics({f"eval_{label}/{k}": v for k, v in report.as_dict().items()})
     return report.as_dict()
