@@ -144,7 +144,10 @@ def test_eos_finishes_and_long_requests_fail_clearly(vllm_engine, hf):
 
 def test_marsrl_train_with_vllm_on_a_random_qwen3_and_its_real_tokenizer(tmp_path, capsys):
     """The real-model path with `engine.name=vllm` through `marsrl train`: chat-templated AIME prompts
-    over Qwen3's real vocabulary, two learner steps, each version loaded into the in-process engine."""
+    over Qwen3's real vocabulary, two learner steps, a trained version loaded into the in-process
+    engine. Synchronous, one problem a batch, and more downstream groups a step than a batch makes:
+    the Solver's one group makes each step ready, so batch 1 is decoded only after the learner's
+    first step, by a trained version, whatever the machine's speed."""
     import json
 
     from flows.cli import main
@@ -164,6 +167,9 @@ def test_marsrl_train_with_vllm_on_a_random_qwen3_and_its_real_tokenizer(tmp_pat
             "roles.templates": "default",
             "data.train_dataset": aime,
             "evaluation.dataset": aime,
+            "rollout.synchronous": True,
+            "rollout.problems_per_batch": 1,
+            "learner.downstream_groups_per_step": 16,
         },
     )
     (tmp_path / "run.yaml").write_text(config_to_yaml(cfg))
@@ -175,5 +181,5 @@ def test_marsrl_train_with_vllm_on_a_random_qwen3_and_its_real_tokenizer(tmp_pat
     assert prompts and all(p[0] == 151644 for p in prompts)  # <|im_start|>: every agent's prompt templated
     versions = store.query("SELECT max(policy_version) AS v FROM segments WHERE run_id = 'v3'").column("v")[0].as_py()
     top = store.query("SELECT max(list_max(token_ids)) AS m FROM segments WHERE run_id = 'v3'").column("m")[0].as_py()
-    assert top > 100_000 and versions >= 1  # the real vocabulary; a later segment decoded by a trained version
+    assert top > 100_000 and versions >= 1  # the real vocabulary; batch 1 decoded by a trained version
     assert "Solver accuracy" in capsys.readouterr().out
