@@ -113,9 +113,14 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path, prefect
             cwd=tmp_path,
         )
         overrides = {"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1}
-        state, schedules = asyncio.run(_trigger(api, {"overrides": overrides, "run_id": "ui-run"}, served))
+        state, deployment = asyncio.run(_trigger(api, {"overrides": overrides, "run_id": "ui-run"}, served))
         assert state == "COMPLETED"
-        assert schedules  # the train deployment carries its nightly schedule
+        assert deployment.schedules  # the train deployment carries its nightly schedule
+        # The UI's run form, built from the deployment's schema: every field but the preset, a record
+        # of where the served values started (kept in the default parameters).
+        form = deployment.parameter_openapi_schema["definitions"]["MarsRLConfig"]["properties"]
+        assert "seed" in form and "rollout" in form and "preset" not in form
+        assert deployment.parameters["config"]["preset"] == "tiny"
         store = SegmentStore.from_config(cfg.store)
         assert store.count("segments") > 0 and store.latest_version("ui-run")[0] == 1  # the overrides held
         # ... and the rest is the served config: one batch of its 2 problems, not the class defaults' 128
@@ -151,7 +156,7 @@ async def _trigger(api: str, parameters: dict, served: subprocess.Popen):
         while time.time() < deadline:
             run = await client.read_flow_run(run.id)
             if run.state and run.state.is_final():
-                return run.state.type.value, deployment.schedules
+                return run.state.type.value, deployment
             await asyncio.sleep(1)
         raise AssertionError(f"flow run still {run.state.type.value if run.state else None} after 400 s")
 

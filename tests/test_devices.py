@@ -93,6 +93,31 @@ def test_a_tiny_step_changes_a_bf16_model_through_its_fp32_master_weights(folder
         assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), name
 
 
+def test_the_weights_an_engine_takes_from_memory_are_the_committed_checkpoints(folder, tmp_path):
+    """`engine.weight_sync=memory`: what the learner hands an in-process engine is bit for bit the
+    version's checkpoint (bf16 from the fp32 masters), one copy for tied tensors, and the learner's
+    next step leaves it as it was."""
+    cfg = _cfg(tmp_path, "model.dtype=bfloat16", "learner.learning_rate=1e-3")
+    learner, report, _ = _one_step(cfg, folder, tmp_path, "memory")
+    weights = learner.state_dict("solver")
+    saved = load_safetensors_state(report.checkpoint / "policy")
+    assert set(saved) <= set(weights) and all(torch.equal(weights[k], saved[k]) for k in saved)
+    assert {v.dtype for v in weights.values()} == {torch.bfloat16}
+    live = {p.data_ptr() for p in learner.models["policy"].parameters()}
+    assert not live & {v.data_ptr() for v in weights.values()}  # copies, not the training tensors
+    ties = learner.models["policy"].config.tie_word_embeddings
+    assert ties == (weights["lm_head.weight"] is weights["model.embed_tokens.weight"])
+    kept = {k: v.clone() for k, v in weights.items()}
+    engine = HFEngine.from_pretrained(folder, dtype="bfloat16")
+    groups = sample_groups(
+        engine, learner.store, "memory", "solver", "S|", groups=2, size=4, seed=4, reward_fn=digit_fraction
+    )
+    learner.train_step(groups)
+    assert all(torch.equal(weights[k], kept[k]) for k in kept)
+    engine.update_weights(report.step, weights)  # loads into an engine of the model's dtype
+    assert all(torch.equal(engine.model.state_dict()[k], saved[k]) for k in saved)
+
+
 def test_gradient_checkpointing_with_mixed_precision_gives_the_same_update(folder, tmp_path):
     base = ("model.dtype=bfloat16", "learner.learning_rate=1e-3")
     plain, _, _ = _one_step(_cfg(tmp_path, *base), folder, tmp_path, "plain")

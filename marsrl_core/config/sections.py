@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from marsrl_core.config.base import AGENTS, ConfigError, _Section  # noqa: F401 (ConfigError: re-exported)
 from marsrl_core.config.learner import LearnerConfig
@@ -55,6 +56,13 @@ class EngineConfig(_Section):
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of accelerator memory to use.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel degree.")
+    weight_sync: Literal["memory", "checkpoint"] = Field(
+        "memory",
+        description="How an 'hf' or 'vllm' engine in the learner's process (`marsrl train` with learner.nproc=1) "
+        "gets each committed version: 'memory' copies the learner's weights (in model.dtype, on the learner's "
+        "device) straight into it, as verl's and TRL's colocated engines do; 'checkpoint' reloads the version's "
+        "folder. Engines in other processes, and the 'openai' engine, always reload the folder.",
+    )
 
 
 class RolloutConfig(_Section):
@@ -255,11 +263,12 @@ class TrackingConfig(_Section):
 
 
 class MarsRLConfig(_Section):
-    preset: str = Field(
+    # Left out of the JSON schema, so the Prefect UI's run form has no field for it (the UI ignores
+    # `readOnly` on strings): a form that could edit it would record a preset the values did not start from.
+    preset: SkipJsonSchema[str] = Field(
         "tiny",
         description="The preset these values started from (a record: changing it changes no other field; "
         "start from another preset with `marsrl serve --preset` or `--preset`).",
-        json_schema_extra={"readOnly": True},
     )
     run_name: str = Field("marsrl", description="Name of the run (store rows and MLflow run).")
     seed: int = Field(0, description="Global random seed.")

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from marsrl_core.engines.base import SegmentRequest, SegmentResult
@@ -40,6 +42,8 @@ class BatchingEngine:
         self._decoding = False
         self.batches = 0  # how many engine calls were made
         self.batch_sizes: list[int] = []
+        self.weight_updates: Counter[str] = Counter()  # versions loaded: from "memory" or a "checkpoint" folder
+        self.run_id: str | None = None  # the run whose weights it holds (None: still its starting weights)
 
     def __getattr__(self, name: str) -> Any:  # max_positions, eos_id, ... of the wrapped engine
         return getattr(self.engine, name)
@@ -91,6 +95,26 @@ class BatchingEngine:
             offset += len(t.requests)
             t.done.set()
 
+    def serve_run(self, run_id: str, version: int, weights: Any) -> None:
+        """Hold run `run_id`'s weights before decoding for it. An engine that served another run of
+        this process (`marsrl ablate`'s runs, one after another) loads `weights`, that run's version
+        `version`, even when its own version number is higher; one still on its starting weights, or
+        already on this run, is kept (a newer version of the run arrives by `update_weights`)."""
+        with self._cv:
+            while self._decoding:
+                self._cv.wait()
+            if self.run_id in (None, run_id):
+                self.run_id = run_id
+                return
+            self._decoding = True
+        try:
+            self.engine.update_weights(version, weights)
+            self.run_id = run_id
+        finally:
+            with self._cv:
+                self._decoding = False
+                self._cv.notify_all()
+
     def update_weights(self, version: int, weights: Any) -> None:
         """Load a newer version between segment batches; an older or equal version is ignored (several
         schedulers may offer the same update, in any order)."""
@@ -102,6 +126,7 @@ class BatchingEngine:
             self._decoding = True
         try:
             self.engine.update_weights(version, weights)
+            self.weight_updates["checkpoint" if isinstance(weights, (str, Path)) else "memory"] += 1
         finally:
             with self._cv:
                 self._decoding = False

@@ -67,6 +67,20 @@ def agent_folders(folder: Path) -> dict[str, Path]:
     return {agent: folder / (SHARED_POLICY if shared else agent) for agent in AGENTS}
 
 
+def engine_state(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A copy of `model`'s state dict as its checkpoint folder holds it: floating tensors in `dtype`, on
+    the model's device; tied tensors share one copy."""
+    copies: dict[int, torch.Tensor] = {}
+    state = {}
+    with torch.no_grad():
+        for key, tensor in model.state_dict().items():
+            if tensor.data_ptr() not in copies:
+                cast = dtype if tensor.is_floating_point() else None
+                copies[tensor.data_ptr()] = tensor.detach().to(dtype=cast, copy=True)
+            state[key] = copies[tensor.data_ptr()]
+    return state
+
+
 def save_checkpoint(
     root: Path,
     version: int,

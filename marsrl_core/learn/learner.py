@@ -56,6 +56,7 @@ from marsrl_core.learn.algorithms import group_advantages
 from marsrl_core.learn.checkpoint import (
     SHARED_POLICY,
     clean_uncommitted,
+    engine_state,
     load_checkpoint,
     policy_names,
     prune_checkpoints,
@@ -387,5 +388,7 @@ class Learner:
             self.logged_version = self.step
 
     def state_dict(self, agent: str) -> dict[str, torch.Tensor]:
-        """The current weights of `agent`'s policy, for an in-process engine update."""
-        return {k: v.detach() for k, v in self.model_for(agent).state_dict().items()}
+        """A copy of `agent`'s current weights as its checkpoint folder holds them (in `model.dtype`, on
+        the learner's device), for an in-process engine update: the learner's next step does not change
+        it. Tied parameters share one copy. One process only (a sharded learner's ranks hold shards)."""
+        return engine_state(self.model_for(agent), getattr(torch, self.cfg.model.dtype))

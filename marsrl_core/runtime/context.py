@@ -7,9 +7,11 @@ of runs it is stopping. `Runtime` holds them, created on first use and shared by
 process; `runtime()` is the process's one instance. Its first store also starts the process's
 `MemoryTrimmer` (every `malloc_trim_every_s` of that first config).
 
-Rollout and learner meet only through the store and the checkpoint files: an engine picks up a newer
+Rollout and learner meet through the store and the checkpoint files: an engine picks up a newer
 committed version from the store at stage boundaries, so rollout and learner can live in different
-processes or machines, each with its own `Runtime`.
+processes or machines, each with its own `Runtime`. When both are in this process, the learner also
+publishes each committed version's weights here (`publish_weights`, `engine.weight_sync=memory`), and
+the engine takes them from memory instead of reading the version's folder back from disk.
 
 Deliberate simplification: what it holds is keyed by run and model, never evicted (a worker serves
 one run at a time).
@@ -18,7 +20,7 @@ one run at a time).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import transformers  # noqa: F401  (imported here, once: lazy imports from several threads race)
 
@@ -48,6 +50,7 @@ class Runtime:
         self._leases: dict[str, LearnerLease] = {}
         self._interrupted: set[str] = set()
         self._trimmer: MemoryTrimmer | None = None
+        self._published: dict[str, tuple[int, Any]] = {}  # run -> (committed version, its weights)
 
     # ------------------------------------------------------------------ services
     def store(self, cfg: MarsRLConfig) -> Store:
@@ -69,6 +72,29 @@ class Runtime:
             if key not in self._engines:
                 self._engines[key] = BatchingEngine(make_engine(cfg, folder))
             return self._engines[key]
+
+    def has_engine(self, cfg: MarsRLConfig) -> bool:
+        """Whether this process holds an engine for `cfg`'s policy."""
+        folder, name = str(policy_folder(cfg)), cfg.engine.name
+        with self._lock:
+            return any(key[:2] == (folder, name) for key in self._engines)
+
+    # ------------------------------------------------------------------ weights in memory
+    def publish_weights(self, run_id: str, version: int, weights: Any) -> None:
+        """The weights of committed version `version` (a state dict, or {agent: state dict}), for this
+        process's engines; replaces the run's older ones."""
+        with self._lock:
+            self._published[run_id] = (version, weights)
+
+    def published_weights(self, run_id: str, version: int, engine_version: int) -> Any | None:
+        """The weights of `version` if they were published here (None: read its folder). Forgotten once
+        the engines hold `version` or newer (`engine_version`), so one copy lives at most one version."""
+        with self._lock:
+            published = self._published.get(run_id)
+            if published is not None and engine_version >= published[0]:
+                del self._published[run_id]
+                return None
+            return published[1] if published is not None and published[0] == version else None
 
     def engines(self, cfg: MarsRLConfig) -> BatchingEngine | dict[str, BatchingEngine]:
         """One engine for all agents, or one per agent (`learner.policies=per_agent`)."""

@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from marsrl_core.agents.problems import DatasetError
-from marsrl_core.config import ConfigError, MarsRLConfig, build_config
+from marsrl_core.config import AGENTS, ConfigError, MarsRLConfig, build_config
 from marsrl_core.learn.checkpoint import agent_folders
 from marsrl_core.learn.groups import ready_groups as _ready_groups
 from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.runtime import events
 from marsrl_core.runtime.batches import batch_problems, training_rejections, training_set
 from marsrl_core.runtime.context import runtime
-from marsrl_core.runtime.policy import roles_from_config
+from marsrl_core.runtime.policy import policy_folder, roles_from_config
 from marsrl_core.store import Store, TrainableGroup
 
 
@@ -77,19 +77,36 @@ def mark_batch_done(cfg: MarsRLConfig, run_id: str, batch_index: int) -> None:
 
 
 def _newer_policy(store: Store, run_id: str, current_version: int, *, per_agent: bool):
-    """(version, checkpoint folder or {agent: folder}) of a committed version newer than the engines'."""
+    """(version, weights) of a committed version newer than the engines': the weights this process's
+    learner published for it, else its checkpoint folder (or {agent: folder})."""
     latest = store.latest_version(run_id)
+    in_memory = runtime().published_weights(run_id, latest[0] if latest else -1, current_version)
     if latest is None or latest[0] <= current_version:
         return None
     version, uri = latest
+    if in_memory is not None:
+        return version, in_memory
     folders = agent_folders(Path(uri))
     return version, folders if per_agent else folders["solver"]
+
+
+def _serve_run(cfg: MarsRLConfig, store: Store, run_id: str, engines: Any) -> None:
+    """The process's engines hold `run_id`'s newest committed weights (or the starting ones) before its
+    rollout decodes: an engine an earlier run of this process left on its own weights is reloaded."""
+    by_agent = engines if isinstance(engines, dict) else {"solver": engines}
+    if all(engine.run_id == run_id for engine in by_agent.values()):
+        return
+    latest = store.latest_version(run_id)
+    folders = agent_folders(Path(latest[1])) if latest else dict.fromkeys(by_agent, policy_folder(cfg))
+    for agent, engine in by_agent.items():
+        engine.serve_run(run_id, latest[0] if latest else 0, folders[agent])
 
 
 def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> dict[str, int]:
     """Decode turn `turn` of batch `batch_index`; returns counts for the task's result."""
     rt = runtime()
     store, engines = rt.store(cfg), rt.engines(cfg)
+    _serve_run(cfg, store, run_id, engines)
     tokenizer = (engines["solver"] if isinstance(engines, dict) else engines).tokenizer
     problems = batch_problems(cfg, batch_index)
     scheduler = RolloutScheduler(
@@ -140,6 +157,11 @@ def train_step(
         # rebuilds it from the last committed version (and its uncommitted folder is cleaned up).
         rt.drop_learner(run_id)
         raise
+    colocated = cfg.engine.name != "openai" and learner.ranks is None and rt.has_engine(cfg)
+    if colocated and cfg.engine.weight_sync == "memory":  # this process's engines take it from memory
+        per_agent = cfg.learner.policies == "per_agent"
+        weights = {a: learner.state_dict(a) for a in AGENTS} if per_agent else learner.state_dict("solver")
+        rt.publish_weights(run_id, report.step, weights)
     return {"step": report.step, "checkpoint": str(report.checkpoint), "metrics": report.metrics}
 
 
