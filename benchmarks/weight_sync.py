@@ -11,7 +11,8 @@ fp32 (the master weights) and each round hands version v to the engines in `--dt
 - `openai_reload_s`: a separate `vllm` server (the `openai` engine's fleet, dev mode) reloading the
   folder through `POST /collective_rpc`.
 
-Every figure is the median of `--rounds` (3) rounds, the channels alternated within each round.
+Every figure is the median of `--rounds` (3) rounds after an untimed warm-up load of each kind; memory
+and folder go first in turn.
 Simplification: the folder was just written, so it is read from the page cache, not the disk: the
 checkpoint figures are a lower bound. Without vLLM installed the vLLM figures are null.
 
@@ -80,7 +81,7 @@ def timed(fn, *args):
 def save(model, folder: Path, state: dict, dtype: torch.dtype) -> None:
     """The learner's checkpoint folder: `state` (in `dtype`) with the config saying so."""
     model.config.dtype = dtype
-    model.save_pretrained(folder, state_dict=state)
+    model.save_pretrained(folder, state_dict=dict(state))  # a dict of its own: save_pretrained edits the one it gets
     model.config.dtype = torch.float32
 
 
@@ -130,6 +131,10 @@ def main() -> None:
             engines["openai"] = OpenAIEngine(base)
         seconds: dict[str, list[float]] = {}
         try:
+            for name in ("hf", "vllm"):  # warm-up, not timed: each engine's first load of either kind
+                if name in engines:
+                    engines[name].update_weights(0, engine_state(learner, dtype))
+                    engines[name].update_weights(0, start_folder)
             for version in range(1, args.rounds + 1):
                 with torch.no_grad():  # the learner's step: every weight moves
                     for p in learner.parameters():
@@ -140,10 +145,10 @@ def main() -> None:
                 seconds.setdefault("checkpoint_write_s", []).append(timed(save, learner, folder, state, dtype)[1])
                 for name in ("hf", "vllm"):
                     if name in engines:
-                        memory = timed(engines[name].update_weights, version, state)[1]
-                        disk = timed(engines[name].update_weights, version, folder)[1]
-                        seconds.setdefault(f"{name}_from_memory_s", []).append(memory)
-                        seconds.setdefault(f"{name}_from_checkpoint_s", []).append(disk)
+                        ways = [("memory", state), ("checkpoint", folder)]
+                        for way, weights in ways if version % 2 else ways[::-1]:  # each first in turn
+                            took = timed(engines[name].update_weights, version, weights)[1]
+                            seconds.setdefault(f"{name}_from_{way}_s", []).append(took)
                 if "openai" in engines:
                     reload = timed(engines["openai"].update_weights, version, folder)[1]
                     seconds.setdefault("openai_reload_s", []).append(reload)
