@@ -116,10 +116,10 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path, prefect
         state, deployment = asyncio.run(_trigger(api, {"overrides": overrides, "run_id": "ui-run"}, served))
         assert state == "COMPLETED"
         assert deployment.schedules  # the train deployment carries its nightly schedule
-        # The UI's run form, built from the deployment's schema: every field but the preset, a record
-        # of where the served values started (kept in the default parameters).
+        # The UI's run form, built from the deployment's schema: the preset is a read-only record of
+        # where the served values started.
         form = deployment.parameter_openapi_schema["definitions"]["MarsRLConfig"]["properties"]
-        assert "seed" in form and "rollout" in form and "preset" not in form
+        assert "seed" in form and form["preset"]["readOnly"] is True
         assert deployment.parameters["config"]["preset"] == "tiny"
         store = SegmentStore.from_config(cfg.store)
         assert store.count("segments") > 0 and store.latest_version("ui-run")[0] == 1  # the overrides held

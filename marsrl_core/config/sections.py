@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic.json_schema import SkipJsonSchema
 
 from marsrl_core.config.base import AGENTS, ConfigError, _Section  # noqa: F401 (ConfigError: re-exported)
 from marsrl_core.config.learner import LearnerConfig
@@ -263,12 +262,11 @@ class TrackingConfig(_Section):
 
 
 class MarsRLConfig(_Section):
-    # Left out of the JSON schema, so the Prefect UI's run form has no field for it (the UI ignores
-    # `readOnly` on strings): a form that could edit it would record a preset the values did not start from.
-    preset: SkipJsonSchema[str] = Field(
+    preset: str = Field(
         "tiny",
         description="The preset these values started from (a record: changing it changes no other field; "
         "start from another preset with `marsrl serve --preset` or `--preset`).",
+        json_schema_extra={"readOnly": True},
     )
     run_name: str = Field("marsrl", description="Name of the run (store rows and MLflow run).")
     seed: int = Field(0, description="Global random seed.")
