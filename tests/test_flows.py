@@ -394,13 +394,15 @@ def test_synchronous_train_flow_decodes_no_batch_after_the_learner_has_its_steps
     assert samples["finished"] == samples["trained"] + samples["pending"] and samples["stale_drop_fraction"] == 0.0
 
 
-@pytest.mark.parametrize("weight_sync", ["memory", "checkpoint"])
-def test_runs_one_after_another_in_one_process_each_decode_with_their_own_weights(tmp_path, weight_sync):
+@pytest.mark.parametrize(
+    "weight_sync, source", [("memory", "memory"), ("checkpoint", "checkpoint"), ("auto", "checkpoint")]
+)
+def test_runs_one_after_another_in_one_process_each_decode_with_their_own_weights(tmp_path, weight_sync, source):
     """Two runs from the same starting model in one process share its engine (`marsrl ablate`, the
     learning spread): each must decode with its own versions, loaded from the learner's memory or from
-    the committed folder as `engine.weight_sync` says. Synchronous, one problem a batch, and more
-    downstream groups a step than a batch makes: the Solver's group makes each step ready, so batch 1
-    is decoded after step 1, by version 1, on any machine."""
+    the committed folder as `engine.weight_sync` says (`auto`: the folder on the CPU). Synchronous, one
+    problem a batch, and more downstream groups a step than a batch makes: the Solver's group makes each
+    step ready, so batch 1 is decoded after step 1, by version 1, on any machine."""
     from flows.train import train_flow
     from marsrl_core.store import SegmentStore
 
@@ -427,8 +429,8 @@ def test_runs_one_after_another_in_one_process_each_decode_with_their_own_weight
         # by version 1.
         assert [(v["lo"], v["hi"]) for v in versions] == [(0, 0), (1, 1)], versions
     loaded = {k: engine.weight_updates[k] - before.get(k, 0) for k in ("memory", "checkpoint")}
-    other = "checkpoint" if weight_sync == "memory" else "memory"
-    assert loaded[weight_sync] == 2 and loaded[other] == 0, loaded  # version 1 of each run, from where it says
+    other = "checkpoint" if source == "memory" else "memory"
+    assert loaded[source] == 2 and loaded[other] == 0, loaded  # version 1 of each run, from where it says
 
 
 def test_learner_flow_compacts_the_store_every_n_versions(tmp_path):

@@ -55,12 +55,14 @@ class EngineConfig(_Section):
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM: fraction of accelerator memory to use.")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM: tensor-parallel degree.")
-    weight_sync: Literal["memory", "checkpoint"] = Field(
-        "memory",
+    weight_sync: Literal["auto", "memory", "checkpoint"] = Field(
+        "auto",
         description="How an 'hf' or 'vllm' engine in the learner's process (`marsrl train` with learner.nproc=1) "
-        "gets each committed version: 'memory' copies the learner's weights (in model.dtype, on the learner's "
-        "device) straight into it, as verl's and TRL's colocated engines do; 'checkpoint' reloads the version's "
-        "folder. Engines in other processes, and the 'openai' engine, always reload the folder.",
+        "gets each committed version: 'memory' copies the learner's weights (in model.dtype, on its device) "
+        "straight into it, as verl's and TRL's colocated engines do; 'checkpoint' reloads the version's folder, "
+        "which the learner writes anyway; 'auto' is 'memory' on an accelerator and 'checkpoint' on the CPU, where "
+        "the copy costs more than the reload (benchmarks/weight_sync.py). Engines in other processes, and the "
+        "'openai' engine, always reload the folder.",
     )
 
 

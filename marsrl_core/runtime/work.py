@@ -90,6 +90,13 @@ def _newer_policy(store: Store, run_id: str, current_version: int, *, per_agent:
     return version, folders if per_agent else folders["solver"]
 
 
+def _sync_from_memory(cfg: MarsRLConfig, learner: Any) -> bool:
+    """Whether the learner hands its versions to this process's engines from memory (`engine.weight_sync`)."""
+    if cfg.engine.name == "openai" or learner.ranks is not None or cfg.engine.weight_sync == "checkpoint":
+        return False
+    return cfg.engine.weight_sync == "memory" or learner.device.type != "cpu"
+
+
 def _serve_run(cfg: MarsRLConfig, store: Store, run_id: str, engines: Any) -> None:
     """The process's engines hold `run_id`'s newest committed weights (or the starting ones) before its
     rollout decodes: an engine an earlier run of this process left on its own weights is reloaded."""
@@ -157,8 +164,7 @@ def train_step(
         # rebuilds it from the last committed version (and its uncommitted folder is cleaned up).
         rt.drop_learner(run_id)
         raise
-    colocated = cfg.engine.name != "openai" and learner.ranks is None and rt.has_engine(cfg)
-    if colocated and cfg.engine.weight_sync == "memory":  # this process's engines take it from memory
+    if _sync_from_memory(cfg, learner) and rt.has_engine(cfg):  # this process's engines take it from memory
         per_agent = cfg.learner.policies == "per_agent"
         weights = {a: learner.state_dict(a) for a in AGENTS} if per_agent else learner.state_dict("solver")
         rt.publish_weights(run_id, report.step, weights)
