@@ -12,19 +12,17 @@ measure before training is the noise of evaluating one fixed policy; if training
 gain would be the difference of two such evaluations, with standard deviation `sqrt(2) * sd_before`.
 The test runs two seeds (0 and 1) and asserts on the mean of their gains, whose noise under that
 null is `sd_before`; the margin is two of those, `2 * sd_before`, rounded up. Measured (5 seeds, on
-the committed warm start): Solver 0.646 +- 0.009 before, 0.913 +- 0.011 after, gain 0.267 +- 0.013
-(smallest 0.245); Verifier balanced accuracy 0.712 +- 0.013 before, 0.880 +- 0.031 after, gain
-0.168 +- 0.032 (smallest 0.130).
+the committed warm start): Solver 0.646 +- 0.009 before, 0.935 +- 0.013 after, gain 0.289 +- 0.010
+(smallest 0.277); Verifier balanced accuracy 0.712 +- 0.013 before, 0.900 +- 0.022 after, gain
+0.188 +- 0.017 (smallest 0.161). A mean of two Verifier gains is 13.6 of its standard deviations
+above the 0.03 margin.
 
-Why two seeds: one seed-0 run was not reliable enough. Its Verifier gain varies from run to run
-(the pipelined learner trains on whatever groups are ready when it looks): nine runs in scripts gave
-0.82-0.91 after training, but two of four runs under pytest in CI gave 0.769 and 0.753, gains
-within the noise. The mean of two runs halves the variance of the run-to-run part: from the five
-seeds, a mean of two Verifier gains is 6.1 of its standard deviations above the 0.03 margin.
+Both seeds run in this one process and share the warm start's engine: each run first sets the
+engine to its own weights (`BatchingEngine.serve_run`), or the second run would decode with the
+first run's last policy.
 
 The learner's staleness bound matters here: a learner that drains a backlog of Verifier and Corrector
-groups oldest first trains on samples 13-19 versions old, and the Verifier's gain then falls to
-0.044 +- 0.041, within this test's margin.
+groups oldest first trains on samples 13-19 versions old, where the PPO clip leaves little gradient.
 """
 
 from __future__ import annotations
