@@ -62,7 +62,7 @@ class ResidentPeak:
 
 def worker(spec_path: str) -> None:
     from marsrl_core.config import load_config
-    from marsrl_core.learn.distributed import init_ranks
+    from marsrl_core.learn.distributed import init_ranks, shutdown
     from marsrl_core.learn.learner import Learner
     from marsrl_core.store import SegmentStore, TrainableGroup
 
@@ -96,6 +96,7 @@ def worker(spec_path: str) -> None:
     else:
         learner.follow()
     rank = 0 if ranks is None else ranks.rank
+    shutdown()
     out = {
         "peak_load_mb": (load_peak - before) / 2**20,
         "peak_train_mb": (max(step_peaks) - before) / 2**20,

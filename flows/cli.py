@@ -140,7 +140,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def cmd_learn(args: argparse.Namespace) -> int:
     from flows.learner import learner_flow
     from flows.server import local_server
-    from marsrl_core.learn.distributed import init_ranks
+    from marsrl_core.learn.distributed import init_ranks, shutdown
     from marsrl_core.runtime import events
     from marsrl_core.runtime.context import runtime
     from marsrl_core.runtime.policy import policy_folder
@@ -166,6 +166,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
         runtime().end_tracker(args.run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
         raise
     learner.stop_followers()
+    shutdown()
     runtime().end_tracker(args.run_id, "FINISHED")
     store = runtime().store(cfg)
     store.mark(args.run_id, events.STORE_LOCK_RETRIES, f"learner:{store.lock_retries}")
@@ -180,11 +181,13 @@ def _is_nproc(argv: list[str], i: int) -> bool:
 def _follow(cfg, run_id: str, folder: Path, ranks) -> int:
     """A learner rank > 0: no store, no MLflow, no Prefect; it resumes with rank 0 and follows it."""
     from marsrl_core.learn.checkpoint import checkpoint_root
+    from marsrl_core.learn.distributed import shutdown
     from marsrl_core.learn.learner import Learner
 
     learner = Learner(cfg, None, run_id, folder, checkpoint_root(cfg.output_dir, run_id), ranks=ranks)
     learner.resume()
     learner.follow()
+    shutdown()
     return 0
 
 

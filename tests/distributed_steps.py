@@ -16,7 +16,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from marsrl_core.config import load_config
-from marsrl_core.learn.distributed import init_ranks
+from marsrl_core.learn.distributed import init_ranks, shutdown
 from marsrl_core.learn.learner import Learner
 from marsrl_core.store import SegmentStore, TrainableGroup
 
@@ -31,10 +31,12 @@ def main(spec_path: str) -> None:
     start = learner.resume() if spec.get("resume") else 0
     if not ranks.main:
         learner.follow()
+        shutdown()
         return
     for step_groups in spec["steps"][start : spec.get("limit")]:
         learner.train_step([TrainableGroup(g["group_id"], g["agent"], g["sample_ids"]) for g in step_groups])
     learner.stop_followers()
+    shutdown()
     store.close()
 
 

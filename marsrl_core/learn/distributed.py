@@ -63,6 +63,17 @@ def init_ranks(timeout_s: float) -> Ranks | None:
     return _RANKS
 
 
+def shutdown() -> None:
+    """Leave the process group at the end of a rank's work: a barrier (no rank exits while another
+    still sends), then `destroy_process_group`. A gloo group left to the interpreter's exit can abort
+    a rank ("terminate called without an active exception") after its work is done."""
+    global _RANKS
+    if _RANKS is not None and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        _RANKS = None
+
+
 def current_ranks() -> Ranks | None:
     """This process's ranks once `init_ranks` has run (None in one process)."""
     return _RANKS
