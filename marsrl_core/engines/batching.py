@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,33 +100,34 @@ class BatchingEngine:
         this process (`marsrl ablate`'s runs, one after another) loads `weights`, that run's version
         `version`, even when its own version number is higher; one still on its starting weights, or
         already on this run, is kept (a newer version of the run arrives by `update_weights`)."""
-        with self._cv:
-            while self._decoding:
-                self._cv.wait()
+
+        def other_run() -> bool:
             if self.run_id in (None, run_id):
                 self.run_id = run_id
-                return
-            self._decoding = True
-        try:
-            self.engine.update_weights(version, weights)
+                return False
+            return True
+
+        if self._load_between_batches(other_run, version, weights):
             self.run_id = run_id
-        finally:
-            with self._cv:
-                self._decoding = False
-                self._cv.notify_all()
 
     def update_weights(self, version: int, weights: Any) -> None:
         """Load a newer version between segment batches; an older or equal version is ignored (several
         schedulers may offer the same update, in any order)."""
+        if self._load_between_batches(lambda: version > self.engine.policy_version, version, weights):
+            self.weight_updates["checkpoint" if isinstance(weights, (str, Path)) else "memory"] += 1
+
+    def _load_between_batches(self, wanted: Callable[[], bool], version: int, weights: Any) -> bool:
+        """Wait until no segment batch decodes; if `wanted()` (asked under the lock) load `weights` as
+        `version` with decoding held off meanwhile. Whether it loaded."""
         with self._cv:
             while self._decoding:
                 self._cv.wait()
-            if version <= self.engine.policy_version:
-                return
+            if not wanted():
+                return False
             self._decoding = True
         try:
             self.engine.update_weights(version, weights)
-            self.weight_updates["checkpoint" if isinstance(weights, (str, Path)) else "memory"] += 1
+            return True
         finally:
             with self._cv:
                 self._decoding = False
