@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from benchmarks.common import print_rows, write_results  # noqa: E402
 from marsrl_core.engines.hf import HFEngine  # noqa: E402
 from marsrl_core.learn.checkpoint import engine_state  # noqa: E402
-from tests.qwen3 import qwen3_tokenizer_files  # noqa: E402
+from tests.qwen3 import qwen3_config, qwen3_tokenizer_files  # noqa: E402
 from tests.servers import free_port, wait_http  # noqa: E402
 
 CONTEXT = 256
@@ -48,21 +48,16 @@ CONTEXT = 256
 def build_model(folder: Path, layers: int, dtype: torch.dtype):
     """A random Qwen3-0.6B-shaped model with `layers` layers (fp32, the learner's masters), saved to
     `folder` in `dtype` with Qwen3's tokenizer (what the engines start from)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=151936,
+    config = qwen3_config(
+        CONTEXT,
         hidden_size=1024,
         intermediate_size=3072,
         num_hidden_layers=layers,
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
-        max_position_embeddings=CONTEXT,
-        tie_word_embeddings=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
     )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)

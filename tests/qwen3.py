@@ -22,26 +22,36 @@ def qwen3_tokenizer_files(folder: Path) -> Path:
     return folder
 
 
-def build_qwen3(folder: Path, max_position_embeddings: int = 2048, seed: int = 0) -> Path:
-    """Save a random-init Qwen3ForCausalLM and the real tokenizer to `folder`; returns it."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def qwen3_config(max_position_embeddings: int = 2048, **shape):
+    """A Qwen3Config with Qwen3's real vocabulary and special tokens, tied embeddings, and the small test
+    shape (hidden 32, 2 layers) unless `shape` says otherwise."""
+    from transformers import Qwen3Config
 
-    qwen3_tokenizer_files(folder)
-    config = Qwen3Config(
-        vocab_size=151936,
+    sizes = dict(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
+    )
+    return Qwen3Config(
+        vocab_size=151936,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         bos_token_id=151643,
         eos_token_id=151645,
         pad_token_id=151643,
+        **(sizes | shape),
     )
+
+
+def build_qwen3(folder: Path, max_position_embeddings: int = 2048, seed: int = 0) -> Path:
+    """Save a random-init Qwen3ForCausalLM and the real tokenizer to `folder`; returns it."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    qwen3_tokenizer_files(folder)
     torch.manual_seed(seed)
-    Qwen3ForCausalLM(config).save_pretrained(folder)
+    Qwen3ForCausalLM(qwen3_config(max_position_embeddings)).save_pretrained(folder)
     return folder
