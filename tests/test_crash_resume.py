@@ -242,8 +242,8 @@ def test_sigterm_stops_train_at_the_next_stage_and_a_resume_continues_the_unfini
 @pytest.mark.slow
 def test_train_goes_on_when_its_store_process_dies_again_and_again(tmp_path):
     """Every store child `marsrl train` starts is SIGKILLed at its 15th call (the `store.call` crash
-    point): reads and marks are sent again to a new child, the other writes fail their task, whose
-    retry reads what is stored first. The run reaches its budget, each sample trained at most once."""
+    point): each call is sent again to a new child, the writes through `replay`, so none is written
+    twice. The run reaches its budget, each sample trained at most once."""
     steps = 6
     path = process_config_file(
         tmp_path,
@@ -263,7 +263,7 @@ def test_train_goes_on_when_its_store_process_dies_again_and_again(tmp_path):
     run = subprocess.run(marsrl, env=env, capture_output=True, text=True, timeout=600)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
-    assert output.count("again to a new one") >= 3, output[-4000:]  # replayed reads and marks
+    assert output.count("again to a new one") >= 3, output[-4000:]  # replayed calls
     store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data", create=False)
     try:
         versions = store.query("SELECT version FROM policy_versions WHERE run_id = 'flaky' ORDER BY 1")

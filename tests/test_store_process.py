@@ -1,5 +1,6 @@
 """The store served by a child process: same results as in-process, errors come back, the child is
-replaced when it has grown, a dead child fails one call, an orphaned child exits."""
+replaced when it has grown, a call whose child died is sent again and writes once, an orphaned child
+exits."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import numpy as np
 import psutil
 import pytest
 
+from marsrl_core.agents.problems import Problem
 from marsrl_core.runtime.context import runtime
-from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore, StoreError
+from marsrl_core.store import Rejection, RewardRow, SampleRow, SegmentRow, SegmentStore, StoreError
 from marsrl_core.store.process import StoreProcess
 from tests.configs import small_config
 
@@ -123,17 +125,50 @@ def test_a_read_or_mark_whose_child_dies_during_it_is_sent_again_to_a_new_child(
         served.close()
 
 
-def test_a_write_whose_child_dies_during_it_fails_and_a_retry_reaches_a_new_child(store_paths, monkeypatch):
+def test_a_write_whose_child_dies_during_it_is_written_once_by_a_new_child(store_paths, monkeypatch):
     served = _crashing_child(store_paths, monkeypatch, 2)
     try:
         _write_group(served, "g1")
         dead = served.pid
-        with pytest.raises(StoreError, match=rf"store process {dead} .* ended during append\(\).* may or may not"):
-            _write_group(served, "g2")
-        _write_group(served, "g2")  # what a retried task does
-        assert served.count("samples", RUN) == 6 and served.pid != dead
+        _write_group(served, "g2")  # the child dies before it runs the append; the new one writes it
+        assert served.pid != dead and served.restarted == 1
+        served.commit_step(RUN, 1, {"solver": ["g1-0"]}, "ckpt/1")  # the new child's second call: dies, replayed
+        assert served.restarted == 2
+        assert served.count("samples", RUN) == 6 and served.count("segments", RUN) == 6
+        assert served.latest_version(RUN) == (1, "ckpt/1") and served.count("consumptions", RUN) == 1
     finally:
         served.close()
+
+
+def test_each_keyed_write_replayed_after_it_committed_writes_nothing_twice(store_paths):
+    """`replay` is what a new child runs for a write whose child died during it: a write that had
+    committed is not written again (and returns what it returns), one that had not is written."""
+    store = SegmentStore(*store_paths)
+    try:
+        problems = [Problem("p1", "1+1?", "2", "t"), Problem("p2", "2+2?", "4", "t")]
+        assert store.add_problems(RUN, problems) == 2
+        assert store.replay("add_problems", (RUN, problems), {}) == 2
+        rejections = [Rejection("train.jsonl", "line 3", "no answer")]
+        for call in (store.reject, lambda *a: store.replay("reject", a, {})):
+            call(RUN, rejections)
+        ids = _write_group(store, "g1")
+        segments = [SegmentRow(ids[0], 1, np.arange(2), -np.ones(2), 3, "stop")]
+        store.replay("append", (RUN,), {"segments": segments})  # not committed yet: written
+        store.replay("append", (RUN,), {"segments": segments})  # committed: nothing
+        store.replay("append", (RUN, [SampleRow(ids[0], "p1", "solver", 0, "g1", 3, [7])]), {})
+        store.commit_step(RUN, 1, {"solver": ids[:2]}, "ckpt/1")
+        store.replay("commit_step", (RUN, 1, {"solver": ids[:2]}, "ckpt/1"), {})
+        with pytest.raises(StoreError, match="version 1 exists"):  # another commit of step 1 is refused
+            store.replay("commit_step", (RUN, 1, {"solver": ids[2:]}, "ckpt/other"), {})
+        with pytest.raises(StoreError, match="not one of the keyed writes"):
+            store.replay("mark", (RUN, "e"), {})
+        counts = {
+            t: store.count(t, RUN) for t in ("problems", "rejected_inputs", "samples", "segments", "consumptions")
+        }
+        assert counts == {"problems": 2, "rejected_inputs": 1, "samples": 3, "segments": 4, "consumptions": 2}
+        assert store.count("policy_versions", RUN) == 1
+    finally:
+        store.close()
 
 
 def test_repeated_run_and_evaluation_records_write_nothing_twice(store_paths):

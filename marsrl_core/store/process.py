@@ -20,13 +20,12 @@ calls and a replacement is started at once, so it imports and attaches while the
 half a second), and the next call usually finds it ready.
 
 A child that has died between calls (the OOM killer's choice, say) is replaced before the next call
-is sent. A child that dies during a call is replaced too, and the call is sent again to the new one
-when repeating it cannot write anything twice (`REPLAYED`: the reads, the maintenance calls, and the
-writes that skip what is already stored: `mark`, whose events are only ever asked about by presence,
-`create_run` and `record_evaluation`). The other writes (`append`, `commit_step`, `add_problems`,
-`reject`) may or may not have committed, as when a process is killed: they fail with `StoreError`,
-and the Prefect tasks that make them retry, reading what is stored first (a rollout turn resumes
-from its stored segments, a learner step is rebuilt from the last committed version).
+is sent. A child that dies during a call is replaced too, and the call is sent again to the new one,
+where it cannot write anything twice: the reads and maintenance calls write nothing; `mark`,
+`create_run` and `record_evaluation` skip what is already stored (events are only ever asked about by
+presence); the other writes (`append`, `commit_step`, `add_problems`, `reject`), which may or may not
+have committed when their child died, go through `SegmentStore.replay`, which writes them only if
+their first row is not stored yet.
 
 Deliberate simplifications: calls are serialized by one lock, as they were on the one in-process
 connection (a retry's backoff in the child now also holds the caller's other threads); a call is
@@ -53,12 +52,11 @@ from marsrl_core.runtime.faults import crash_point
 from marsrl_core.store.protocol import store_calls
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.segment_store import SegmentStore
+from marsrl_core.store.writes import KEYED_WRITES
 
 _OPEN, _CLOSE = "__open__", "__close__"
 log = logging.getLogger(__name__)
 FORWARDED = store_calls()
-WRITES_NOT_REPLAYED = frozenset({"append", "commit_step", "add_problems", "reject"})
-REPLAYED = FORWARDED - WRITES_NOT_REPLAYED  # sent again to a new child when theirs died during the call
 
 
 def resident_kb() -> int:
@@ -226,11 +224,9 @@ class StoreProcess:
                 status, value, self._child_lock_retries, child_kb = self._send(method, args, kwargs)
             except _ChildEnded as ended:
                 self.restarted += 1
-                if method not in REPLAYED:
-                    raise StoreError(
-                        f"{ended}; a write in it may or may not have committed; the next call starts a new one"
-                    ) from None
                 log.warning("%s; sending %s() again to a new one", ended, method)
+                if method in KEYED_WRITES:  # written only if it had not committed
+                    method, args, kwargs = "replay", (method, args, kwargs), {}
                 status, value, self._child_lock_retries, child_kb = self._send(method, args, kwargs)
             self._calls += 1
             if self._calls == self.warmup_calls:

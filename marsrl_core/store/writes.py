@@ -7,12 +7,16 @@
   consumptions too, with `learner_step = DROPPED_STALE` (-1), so they are accounted for and never
   listed again.
 
-Appends never conflict logically, so a retried commit always converges. Deliberate simplification:
-unknown-sample checks use a bounded in-process cache and fall back to one query.
+Appends never conflict logically, so a retried commit always converges. `replay(...)` runs a write
+again whose store process died during it (`store/process.py`): a write is one transaction and no other
+call writes the rows it is keyed on, so its first row found stored means all of it committed, and it
+is not written twice. Deliberate simplification: unknown-sample checks use a bounded in-process cache
+and fall back to one query.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -36,6 +40,7 @@ from marsrl_core.store.rows import (
 from marsrl_core.store.schema import ARROW_SCHEMAS
 
 KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown-id checks
+KEYED_WRITES = frozenset({"append", "commit_step", "add_problems", "reject"})  # those `replay` checks first
 
 
 class StoreWrites(StoreConnection):
@@ -211,6 +216,45 @@ class StoreWrites(StoreConnection):
                 self._insert(con, "train_steps", steps)
 
         self._transaction(body)
+
+    def replay(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """Run again a write (`KEYED_WRITES`) that may or may not have committed: if its first row is
+        stored, all of it is (one transaction), so it returns what the write returns without writing."""
+        if method not in KEYED_WRITES:
+            raise StoreError(f"replay({method!r}): not one of the keyed writes {sorted(KEYED_WRITES)}")
+        call = inspect.signature(getattr(self, method)).bind(*args, **kwargs)
+        call.apply_defaults()
+        given = call.arguments
+        key = self._first_row_key(method, given)
+        if key is None:
+            return getattr(self, method)(*args, **kwargs)
+        table, where, params = key
+        found = self._read(
+            f"SELECT count(*) AS n FROM {CATALOG}.{table} WHERE run_id = ? AND {where}", [given["run_id"], *params]
+        )
+        if found.column("n")[0].as_py() == 0:
+            return getattr(self, method)(*args, **kwargs)
+        return len(given["problems"]) if method == "add_problems" else None
+
+    @staticmethod
+    def _first_row_key(method: str, given: dict[str, Any]) -> tuple[str, str, list[Any]] | None:
+        """(table, condition, parameters) that find the first row `method` writes; None if it writes none."""
+        if method == "commit_step":
+            return "policy_versions", "version = ? AND checkpoint_uri = ?", [given["step"], given["checkpoint_uri"]]
+        if method == "add_problems" and given["problems"]:
+            return "problems", "problem_id = ?", [given["problems"][0].problem_id]
+        if method == "reject" and given["rejections"]:
+            r = given["rejections"][0]
+            return "rejected_inputs", "source = ? AND location = ? AND reason = ?", [r.source, r.location, r.reason]
+        if method == "append":
+            if given["samples"]:
+                return "samples", "sample_id = ?", [given["samples"][0].sample_id]
+            if given["segments"]:
+                first = given["segments"][0]
+                return "segments", "sample_id = ? AND segment_index = ?", [first.sample_id, first.segment_index]
+            if given["rewards"]:
+                return "rewards", "sample_id = ?", [given["rewards"][0].sample_id]
+        return None
 
     def _insert_absent(
         self, con: duckdb.DuckDBPyConnection, table: str, batch: pa.Table, where: str, params: list[Any]
