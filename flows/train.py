@@ -36,6 +36,7 @@ from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
 from flows.subflows import in_thread, parent_heartbeat_only
 from marsrl_core.config import MarsRLConfig, absolute_paths, config_to_yaml, default_config, with_overrides
+from marsrl_core.devices import learner_gpus
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 from marsrl_core.runtime.report import report_markdown
@@ -143,6 +144,8 @@ def _train_beside_learner_process(config: MarsRLConfig, run_id: str, pending: li
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config_to_yaml(config))
     env = os.environ | {"PREFECT_API_URL": str(get_current_settings().api.url)}
+    if gpus := learner_gpus(config.learner.nproc, config.model.device):
+        env["CUDA_VISIBLE_DEVICES"] = gpus  # the ranks on the last GPUs, the engine here on the first
     command = [sys.executable, "-m", "flows.cli", "learn", "--config", str(path), "--run-id", run_id]
     learner = subprocess.Popen(command, env=env)
     try:

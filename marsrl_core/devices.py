@@ -9,6 +9,8 @@
   does not, and the checkpoint the engines load is written in `model.dtype`.
 - `attn_implementation("auto")`: FlashAttention-2 on CUDA when `flash_attn` is installed, else PyTorch's
   `sdpa`.
+- `learner_gpus`: `marsrl train` with a learner of several ranks beside its rollouts gives the ranks the
+  last GPUs and leaves the first (where the rollout process's `hf` or `vllm` engine runs) to the rollouts.
 """
 
 from __future__ import annotations
@@ -41,6 +43,27 @@ def resolve_device(spec: str = "auto", local_rank: int | None = None) -> torch.d
     if index >= torch.cuda.device_count():
         raise ConfigError(f"model.device={spec!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return torch.device("cuda", index)
+
+
+def learner_gpus(nproc: int, spec: str, visible: str | None = None, count: int | None = None) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` for a learner of `nproc` ranks started beside this process's rollouts.
+
+    The rollouts' engine takes the first visible GPU (`auto` is cuda:0 in a process without a rank, and
+    vLLM places itself there), so the ranks get the last `nproc` GPUs, one each, disjoint from it. None
+    (the ranks inherit this process's GPUs) when `model.device` is not 'auto', when there is no GPU, or
+    when there are no more GPUs than ranks: then rank 0 shares GPU 0 with the engine, and
+    `engine.gpu_memory_utilization` must leave it room. `visible` is this process's
+    `CUDA_VISIBLE_DEVICES` (default: the environment's), `count` its GPU count (default: torch's)."""
+    if spec != "auto":
+        return None
+    if count is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()][:count] if visible else [str(i) for i in range(count)]
+    if len(ids) <= nproc:
+        return None
+    return ",".join(ids[-nproc:])
 
 
 def compute_dtype(cfg: MarsRLConfig) -> torch.dtype | None:

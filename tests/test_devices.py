@@ -9,7 +9,7 @@ import torch
 from marsrl_core.config import ConfigError, load_config
 from marsrl_core.demo.sft import _key, find_warm_start
 from marsrl_core.demo.tiny import build_tiny_model
-from marsrl_core.devices import compute_dtype, master_dtype, resolve_device
+from marsrl_core.devices import compute_dtype, learner_gpus, master_dtype, resolve_device
 from marsrl_core.engines.hf import HFEngine, load_safetensors_state
 from marsrl_core.learn.learner import Learner
 from marsrl_core.store import SegmentStore
@@ -39,6 +39,17 @@ def test_asking_for_cuda_without_it_is_a_config_error_naming_the_field():
             resolve_device(spec)
     with pytest.raises(ConfigError, match="model.device"):
         load_config("tiny", None, ["model.device=tpu"])
+
+
+def test_a_learner_beside_the_rollouts_gets_the_last_gpus_and_the_engine_keeps_the_first():
+    assert learner_gpus(4, "auto", count=8) == "4,5,6,7"
+    assert learner_gpus(2, "auto", visible="2,3,5", count=3) == "3,5"  # the user's own selection, narrowed
+    assert learner_gpus(1, "auto", count=2) == "1"
+    assert learner_gpus(2, "auto", count=2) is None  # no spare GPU: rank 0 shares GPU 0 with the engine
+    assert learner_gpus(2, "auto", count=0) is None  # the CPU
+    assert learner_gpus(2, "cuda:3", count=8) is None  # a device the user named is left alone
+    if not torch.cuda.is_available():
+        assert learner_gpus(2, "auto") is None
 
 
 def test_where_a_model_runs_does_not_change_the_warm_start_it_uses():
