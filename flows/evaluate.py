@@ -6,7 +6,8 @@ from typing import Any
 
 from prefect import flow
 
-from marsrl_core.config import MarsRLConfig, default_config, with_overrides
+from flows.params import run_config
+from marsrl_core.config import MarsRLConfig, default_config
 from tasks.evaluation import evaluate
 
 
@@ -18,4 +19,4 @@ def evaluate_flow(
     checkpoint: str | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> dict:
-    return evaluate(with_overrides(config, overrides), run_id, label, checkpoint)
+    return evaluate(run_config(config, overrides), run_id, label, checkpoint)

@@ -19,7 +19,8 @@ from typing import Any
 from prefect import flow
 
 from flows.logs import say
-from marsrl_core.config import MarsRLConfig, absolute_paths, default_config, with_overrides
+from flows.params import run_config
+from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 from tasks.evaluation import compact
@@ -55,7 +56,7 @@ def learner_flow(
     idle_timeout_s: float = 3600.0,
     overrides: dict[str, Any] | None = None,
 ) -> int:
-    config = with_overrides(config, overrides)  # a few dotted fields changed, e.g. {"learner.max_steps": 3}
+    config = run_config(config, overrides)  # a few dotted fields changed, e.g. {"learner.max_steps": 3}
     config = absolute_paths(config)  # its checkpoint URIs are recorded: absolute, found from any folder
     rt, budget = runtime(), max_steps or config.learner.max_steps
     store = rt.store(config)

@@ -7,7 +7,8 @@ from typing import Any
 from prefect import flow
 
 from flows.logs import say
-from marsrl_core.config import MarsRLConfig, default_config, with_overrides
+from flows.params import run_config
+from marsrl_core.config import MarsRLConfig, default_config
 from tasks.evaluation import compact
 
 
@@ -15,6 +16,6 @@ from tasks.evaluation import compact
 def maintenance_flow(
     config: MarsRLConfig = default_config(), overrides: dict[str, Any] | None = None
 ) -> dict[str, int]:
-    result = compact(with_overrides(config, overrides))
+    result = compact(run_config(config, overrides))
     say(f"data files {result['files_before']} -> {result['files_after']}")
     return result

@@ -29,9 +29,10 @@ from typing import Any
 
 from prefect import flow
 
+from flows.params import run_config
 from flows.slots import DecodeSlots, keep_in_flight
 from flows.subflows import in_thread, parent_heartbeat_only
-from marsrl_core.config import MarsRLConfig, absolute_paths, default_config, with_overrides
+from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
 from marsrl_core.rollout.samples import agent_of_turn
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
@@ -48,7 +49,7 @@ def rollout_flow(
     overrides: dict[str, Any] | None = None,
 ) -> list[dict[str, int]] | None:
     """Decode one batch, turn by turn; None when the run was asked to stop before the batch had a slot."""
-    config = with_overrides(config, overrides)
+    config = run_config(config, overrides)
     with DecodeSlots.hold(run_id, batch_index) as go:
         return _decode_batch(config, run_id, batch_index) if go else None
 

@@ -8,12 +8,13 @@ from typing import Any
 from prefect import flow
 
 from flows.logs import say
-from marsrl_core.config import MarsRLConfig, default_config, with_overrides
+from flows.params import run_config
+from marsrl_core.config import MarsRLConfig, default_config
 from tasks.sft import warm_start
 
 
 @flow(name="sft", log_prints=True)
 def sft_flow(config: MarsRLConfig = default_config(), overrides: dict[str, Any] | None = None) -> str:
-    folder = warm_start(with_overrides(config, overrides))
+    folder = warm_start(run_config(config, overrides))
     say(f"warm start: {folder}")
     return folder

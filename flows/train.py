@@ -32,10 +32,11 @@ from prefect.settings import get_current_settings
 from flows.evaluate import evaluate_flow
 from flows.learner import learner_flow
 from flows.logs import say
+from flows.params import run_config
 from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
 from flows.subflows import in_thread, parent_heartbeat_only
-from marsrl_core.config import MarsRLConfig, absolute_paths, config_to_yaml, default_config, with_overrides
+from marsrl_core.config import MarsRLConfig, absolute_paths, config_to_yaml, default_config
 from marsrl_core.devices import learner_gpus
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
@@ -55,7 +56,7 @@ def train_flow(
     evaluate_after: bool = True,
     overrides: dict[str, Any] | None = None,
 ) -> dict:
-    config = with_overrides(config, overrides)  # a few dotted fields changed, e.g. {"learner.max_steps": 3}
+    config = run_config(config, overrides)  # a few dotted fields changed, e.g. {"learner.max_steps": 3}
     config = absolute_paths(config)  # recorded so: a resume from another folder finds the run's files
     work.check_inputs(config)  # a bad dataset fails now, not after the warm start and the first evaluation
     if config.sft.enabled and config.model.path is None:  # warm start first (cached); a resumed run has its path

@@ -91,6 +91,19 @@ def test_cli_reports_config_errors_without_traceback(capsys):
     assert set(PRESETS) == {"tiny", "paper"}
 
 
+def test_a_config_given_in_part_merges_its_fields_over_a_whole_one():
+    from marsrl_core.config import MarsRLConfig, build_config, given_in_part, merged_over
+
+    served = load_config("tiny", None, ["rollout.segment_tokens=16", "learner.learning_rate=0.002"])
+    served = served.model_dump(mode="json")
+    part = MarsRLConfig.model_validate({"learner": {"max_steps": 3}})  # as Prefect validates the parameter
+    assert given_in_part(part) and part.rollout.segment_tokens != 16  # the class defaults fill the rest
+    merged = merged_over(served, part)
+    assert merged.learner.max_steps == 3 and merged.rollout.segment_tokens == 16 and merged.preset == "tiny"
+    assert merged.learner.learning_rate == 0.002  # a sibling of the given field keeps its served value
+    assert not given_in_part(build_config(served)) and not given_in_part(merged)
+
+
 def test_a_few_dotted_overrides_change_only_those_fields_and_are_validated():
     from marsrl_core.config import with_overrides
 

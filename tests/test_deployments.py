@@ -92,7 +92,8 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path, prefect
     served = None
     try:
         # The deployments' config is the served one (the small test config, here from a YAML file); the
-        # run changes three fields of it with `overrides`, as `prefect deployment run --params` would.
+        # run changes three fields of it, one through a `config` given in part and two through
+        # `overrides`, as the UI, the API or `prefect deployment run --params` would.
         cfg = small_config(tmp_path, **{"learner.max_steps": 2, "data.num_batches": 3})
         (tmp_path / "served.yaml").write_text(config_to_yaml(cfg))
         served = subprocess.Popen(
@@ -112,8 +113,9 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path, prefect
             env=env,
             cwd=tmp_path,
         )
-        overrides = {"rollout.max_turns": 2, "data.num_batches": 1, "learner.max_steps": 1}
-        state, deployment = asyncio.run(_trigger(api, {"overrides": overrides, "run_id": "ui-run"}, served))
+        overrides = {"data.num_batches": 1, "learner.max_steps": 1}
+        parameters = {"config": {"rollout": {"max_turns": 2}}, "overrides": overrides, "run_id": "ui-run"}
+        state, deployment = asyncio.run(_trigger(api, parameters, served))
         assert state == "COMPLETED"
         assert deployment.schedules  # the train deployment carries its nightly schedule
         # The UI's run form, built from the deployment's schema: the preset is a read-only record of

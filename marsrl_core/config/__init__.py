@@ -14,7 +14,9 @@ from marsrl_core.config.loading import (
     build_config,
     config_to_yaml,
     default_config,
+    given_in_part,
     load_config,
+    merged_over,
     with_overrides,
 )
 from marsrl_core.config.presets import PRESETS
@@ -53,6 +55,8 @@ __all__ = [
     "build_config",
     "config_to_yaml",
     "default_config",
+    "given_in_part",
+    "merged_over",
     "load_config",
     "with_overrides",
 ]

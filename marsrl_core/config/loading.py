@@ -97,6 +97,18 @@ def with_overrides(config: MarsRLConfig, overrides: dict[str, Any] | None) -> Ma
     return build_config(data)
 
 
+def given_in_part(config: MarsRLConfig) -> bool:
+    """Whether `config` was built from only some of its fields (the rest are the class defaults), as a
+    flow's `config` parameter is when a run from the API gives `{"config": {"learner": {...}}}`."""
+    return config.model_dump(mode="json", exclude_unset=True) != config.model_dump(mode="json")
+
+
+def merged_over(base: dict[str, Any], config: MarsRLConfig) -> MarsRLConfig:
+    """The fields `config` was given (pydantic's `exclude_unset`, not its defaults) merged field by field
+    over `base`, a whole config as a dict, and validated as one."""
+    return build_config(_deep_merge(base, config.model_dump(mode="json", exclude_unset=True)))
+
+
 def default_config() -> MarsRLConfig:
     """The config a flow runs with when none is given: preset `MARSRL_PRESET` (default tiny) merged with
     the YAML file `MARSRL_CONFIG` when set (how a worker in docker-compose.yml gets its cluster settings)."""
