@@ -16,7 +16,6 @@ their next stage and its learner before its next step."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.settings import get_current_settings
 
-from flows.evaluate import evaluate_flow
+from flows.evaluate import artifact_key, evaluate_flow
 from flows.learner import learner_flow
 from flows.logs import say
 from flows.params import run_config
@@ -164,8 +163,3 @@ def _train_beside_learner_process(config: MarsRLConfig, run_id: str, pending: li
         raise
     latest = store.latest_version(run_id)
     return latest[0] if latest else 0
-
-
-def artifact_key(run_id: str) -> str:
-    """The Prefect artifact key of a run's results (lowercase letters, digits and dashes)."""
-    return "marsrl-" + re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-")

@@ -179,3 +179,31 @@ def test_each_commands_help_lists_its_settings_with_defaults_and_an_example(caps
             marsrl([command, "--help"])
         out = capsys.readouterr().out
         assert exit_.value.code == 0 and setting in out and f"example:\n  marsrl {command}" in out, command
+
+
+QUIET_CHECK = """
+import logging, sys
+from marsrl_core.cli import set_engine_verbosity
+set_engine_verbosity(sys.argv[1] == "-v")
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging, init_logger
+configure_logging(LoggingConfig())  # what a vLLM engine does as it starts
+init_logger("vllm.startup").info("vllm-info-line")
+import mlflow  # noqa: F401
+logging.getLogger("mlflow.store.db.utils").info("mlflow-info-line")
+"""
+
+
+def test_vllm_and_mlflow_info_lines_show_only_with_v(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "MLFLOW_LOGGING_LEVEL")}
+    shown = {}
+    for flag in ("-q", "-v"):
+        run = subprocess.run([sys.executable, "-c", QUIET_CHECK, flag], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        shown[flag] = {line for line in ("vllm-info-line", "mlflow-info-line") if line in run.stdout + run.stderr}
+    assert shown == {"-q": set(), "-v": {"vllm-info-line", "mlflow-info-line"}}

@@ -83,6 +83,10 @@ def test_rates_without_cases_are_nan():
     )
     assert report.solver_acc == 1.0 and math.isnan(report.corrector_fix) and report.vc_acc == 1.0
     assert math.isnan(report.corrector_break_false_flag)  # nothing was flagged
+    from marsrl_core.runtime.report import report_rows
+
+    rows = {row[0]: row[1] for row in report_rows({"after": report})}  # what the table prints
+    assert rows["Corrector fix rate"] == "n/a" and rows["Solver accuracy"] == "100.0%"
 
 
 def _eval_config(tmp_path, *overrides: str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,8 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     assert {"eval_before/solver_acc", "eval_after/solver_acc"} <= set(run.data.metrics)  # before vs after
     artifact = Artifact.get("marsrl-t1")  # the results on the run's page in the Prefect UI
     assert "| Solver accuracy |" in artifact.data and "reward_curves.png" in artifact.data
+    for label in ("before", "after"):  # each evaluation's own table, on its own run's page
+        assert "| Solver accuracy |" in Artifact.get(f"marsrl-t1-{label}").data
     APILogHandler().flush()  # the log lines still queued for the server
     with get_client(sync_client=True) as client:  # runs named for what they are, a log line per step
         flows = {
@@ -288,8 +291,11 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
         (learner,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["learner-t1"])))
         logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[learner.id])))]
         every = [log.message for log in client.read_logs()]
-    assert "rollout-batch-0" in flows and {"train-step-1", "train-step-2"} <= tasks
-    assert any(m.startswith("learner step 2: ") and "reward" in m for m in logs), logs
+    assert {"rollout-batch-0", "evaluate-t1-before", "evaluate-t1-after"} <= flows
+    assert {"train-step-1", "train-step-2"} <= tasks
+    steps = [m for m in logs if m.startswith("learner step ")]
+    agent_part = r"\w+ (reward \d\.\d{3} loss [+-]\d\.\d{4} tokens \d+ staleness \d+\.\d|reward \d\.\d{3}, no gradient)"
+    assert len(steps) == 2 and all(re.match(rf"learner step [12]: {agent_part}", m) for m in steps), steps
     # Evaluation progress by phase in the run's logs (the UI): the Solver's phase and a V-C round.
     assert any(m.startswith("evaluation solver: ") and "outputs to decode" in m for m in every)
     assert any(m.startswith("evaluation V-C round 1 verifier: done, ") for m in every)
