@@ -132,6 +132,25 @@ def test_per_agent_generators_draw_independent_noise(tmp_path):
     assert len({id(g) for g in shared.values()}) == 1
 
 
+def test_with_no_run_in_the_store_eval_takes_the_warm_start_or_says_it_builds_a_tiny_model(tmp_path):
+    from marsrl_core.config import load_config
+    from marsrl_core.demo.sft import find_warm_start
+    from marsrl_core.runtime.evaluate import resolve_checkpoint
+    from marsrl_core.store import SegmentStore
+
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    try:
+        cfg = load_config("tiny")
+        warm = find_warm_start(cfg)
+        assert warm is not None  # the tiny preset's committed warm start
+        assert resolve_checkpoint(cfg, store, None) == (warm, f"the tiny preset's warm start {warm}")
+        cold = load_config("tiny", None, ["sft.enabled=false"])
+        starting = "the starting policy (a tiny model built from the config)"
+        assert resolve_checkpoint(cold, store, None) == (None, starting)
+    finally:
+        store.close()
+
+
 def test_marsrl_eval_evaluates_the_checkpoint_it_is_given_and_says_which(tmp_path, capsys):
     """`--checkpoint RUN`, `RUN:VERSION` and a folder evaluate that policy; with none, the newest version
     of the store's most recent run; a run without versions is one line, exit 2."""

@@ -79,7 +79,7 @@ def resolve_checkpoint(cfg: MarsRLConfig, store: Store, spec: str | None) -> tup
 
             warm = find_warm_start(cfg)
             if warm is not None:
-                return warm, f"the {cfg.run_name} warm start {warm}"
+                return warm, f"the {cfg.preset} preset's warm start {warm}"
         return None, f"the starting policy ({cfg.model.path or 'a tiny model built from the config'})"
     if Path(spec).is_dir():
         return Path(spec), f"folder {spec}"
