@@ -118,11 +118,12 @@ class LearnerConfig(_Section):
         "the run short of its steps. None trains on every group.",
     )
     stale_groups: Literal["drop", "correct"] = Field(
-        "drop",
-        description="What a step does with groups past `max_staleness`: 'drop' them untrained, or 'correct' "
-        "them: train on them with decoupled PPO (AReaL; Hilton et al. 2022), the ratio against the policy at "
-        "the start of the step and each token weighted by pi_prox / pi_behaviour, capped at `tis_cap` (2 when "
-        "unset) as `tis_mode` says.",
+        "correct",
+        description="What a step does with groups past `max_staleness`: 'correct' them: train on them with "
+        "decoupled PPO (AReaL; Hilton et al. 2022), the ratio against the policy at the start of the step and "
+        "each token weighted by pi_prox / pi_behaviour, capped at `tis_cap` (2 when unset) as `tis_mode` "
+        "says; or 'drop' them untrained. Over five seeds of the tiny run 'correct' drops no sample where "
+        "'drop' loses 3.8%, with no measure lower (docs/results.md).",
     )
     save_total_limit: int | None = Field(
         3,

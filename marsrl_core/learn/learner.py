@@ -15,8 +15,8 @@ One `train_step(groups)`:
    consumptions, the version row and the metrics commit in one store transaction.
 
 Groups flagged `stale` (older than `learner.max_staleness` policy versions, see `groups.ready_groups`)
-are dropped untrained (`stale_groups='drop'`: recorded as dropped, so they are never offered again)
-or trained on with decoupled PPO's correction (`stale_groups='correct'`).
+are trained on with decoupled PPO's correction (`stale_groups='correct'`, the default) or dropped
+untrained (`stale_groups='drop'`: recorded as dropped, so they are never offered again).
 
 Several ranks (`distributed`; `marsrl learn --nproc N`, or a launcher): rank 0 runs `train_step` and
 starts each step on the others, which `follow()`; every rank trains its share of the samples and the
