@@ -12,10 +12,10 @@ measure before training is the noise of evaluating one fixed policy; if training
 gain would be the difference of two such evaluations, with standard deviation `sqrt(2) * sd_before`.
 The test runs two seeds (0 and 1) and asserts on the mean of their gains, whose noise under that
 null is `sd_before`; the margin is two of those, `2 * sd_before`, rounded up. Measured (5 seeds, on
-the committed warm start): Solver 0.646 +- 0.009 before, 0.935 +- 0.013 after, gain 0.289 +- 0.010
-(smallest 0.277); Verifier balanced accuracy 0.712 +- 0.013 before, 0.900 +- 0.022 after, gain
-0.188 +- 0.017 (smallest 0.161). A mean of two Verifier gains is 13.6 of its standard deviations
-above the 0.03 margin.
+the committed warm start, the defaults): Solver 0.646 +- 0.009 before, 0.940 +- 0.012 after, gain
+0.294 +- 0.005 (smallest 0.288); Verifier balanced accuracy 0.712 +- 0.013 before, 0.901 +- 0.045
+after, gain 0.189 +- 0.044 (smallest 0.118). A mean of two Verifier gains is 5.3 of its standard
+deviations above the 0.03 margin.
 
 Both seeds run in this one process and share the warm start's engine: each run first sets the
 engine to its own weights (`BatchingEngine.serve_run`), or the second run would decode with the
