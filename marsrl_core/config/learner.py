@@ -111,8 +111,9 @@ class LearnerConfig(_Section):
         4,
         ge=0,
         description="Most policy versions between a group's oldest token and the learner's current "
-        "policy for the group to be trained on; older complete groups are dropped untrained (recorded in the "
-        "store as consumptions with learner_step -1). Past the PPO clip a stale group gives almost no "
+        "policy for the group to be trained on as it is; older complete groups are handled as `stale_groups` "
+        "says (corrected, or dropped untrained and recorded in the store as consumptions with learner_step "
+        "-1). Past the PPO clip an uncorrected stale group gives almost no "
         "gradient, and a learner that drains a backlog oldest-first trains on ever older data. Once the "
         "rollouts have finished and no fresh group is left, stale ones are trained on rather than ending "
         "the run short of its steps. None trains on every group.",
