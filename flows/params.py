@@ -14,22 +14,23 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import get_client
-from prefect.runtime import deployment
+from prefect.context import FlowRunContext
 
 from marsrl_core.config import MarsRLConfig, given_in_part, merged_over, with_overrides
 
 
 def run_config(config: MarsRLConfig, overrides: dict[str, Any] | None) -> MarsRLConfig:
     """The flow's config: a `config` given in part merged over its deployment's, then `overrides`."""
-    if given_in_part(config) and (served := _deployment_config()) is not None:
-        config = merged_over(served, config)
+    if (deployment_id := _deployment_id()) is not None and given_in_part(config):
+        with get_client(sync_client=True) as client:
+            served = client.read_deployment(deployment_id).parameters.get("config")
+        if served is not None:
+            config = merged_over(served, config)
     return with_overrides(config, overrides)
 
 
-def _deployment_config() -> dict[str, Any] | None:
-    """The `config` parameter of the deployment this flow run was started from (None outside one)."""
-    deployment_id = deployment.get_id()
-    if deployment_id is None:
-        return None
-    with get_client(sync_client=True) as client:
-        return client.read_deployment(deployment_id).parameters.get("config")
+def _deployment_id() -> Any:
+    """The deployment this flow run was started from, as its run records it (no API call): None outside
+    one, and in a subflow, whose config its parent passes on whole."""
+    context = FlowRunContext.get()
+    return None if context is None or context.flow_run is None else context.flow_run.deployment_id

@@ -226,15 +226,12 @@ class StoreWrites(StoreConnection):
         call.apply_defaults()
         given = call.arguments
         key = self._first_row_key(method, given)
-        if key is None:
-            return getattr(self, method)(*args, **kwargs)
-        table, where, params = key
-        found = self._read(
-            f"SELECT count(*) AS n FROM {CATALOG}.{table} WHERE run_id = ? AND {where}", [given["run_id"], *params]
-        )
-        if found.column("n")[0].as_py() == 0:
-            return getattr(self, method)(*args, **kwargs)
-        return len(given["problems"]) if method == "add_problems" else None
+        if key is not None:
+            table, where, params = key
+            sql = f"SELECT count(*) AS n FROM {CATALOG}.{table} WHERE run_id = ? AND {where}"
+            if self._read(sql, [given["run_id"], *params]).column("n")[0].as_py():  # it had committed
+                return len(given["problems"]) if method == "add_problems" else None
+        return getattr(self, method)(*args, **kwargs)
 
     @staticmethod
     def _first_row_key(method: str, given: dict[str, Any]) -> tuple[str, str, list[Any]] | None:
