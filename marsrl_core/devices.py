@@ -2,7 +2,8 @@
 `model.attn_implementation` and `learner.mixed_precision` into torch objects.
 
 - `resolve_device("auto")` is `cuda:<LOCAL_RANK>` when CUDA is present (rank 0's GPU in one process),
-  else the CPU; `cuda` or `cuda:N` on a machine without CUDA is a `ConfigError`, not a crash inside torch.
+  else the CPU; `cuda` or `cuda:N` on a machine without CUDA is a `ConfigError`, not a crash inside torch,
+  and so is `cuda:N` in a process of several ranks (each rank takes `cuda:<LOCAL_RANK>`).
 - `compute_dtype`: the learner keeps fp32 master weights and optimizer state and computes in bf16 under
   autocast when `mixed_precision` is 'bf16' ('auto': when `model.dtype` is a half type). An AdamW step
   of lr 1e-6 on bf16 weights themselves rounds away (bf16 has 8 bits of mantissa); on fp32 masters it
@@ -34,6 +35,11 @@ def resolve_device(spec: str = "auto", local_rank: int | None = None) -> torch.d
         return torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if not spec.startswith("cuda"):
         raise ConfigError(f"model.device={spec!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if ":" in spec and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            f"model.device={spec!r}: a learner of several ranks puts each rank on its own GPU (cuda:<LOCAL_RANK>); "
+            "use 'auto' or 'cuda', and CUDA_VISIBLE_DEVICES to choose the GPUs"
+        )
     if not cuda:
         raise ConfigError(
             f"model.device={spec!r}: CUDA is not available on this machine (torch {torch.__version__}); "

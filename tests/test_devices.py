@@ -3,6 +3,8 @@ checkpoints hold. GPU-only checks carry the `gpu` marker (skipped without CUDA).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.devices import compute_dtype, learner_gpus, master_dtype, resolve_device
 from marsrl_core.engines.hf import HFEngine, load_safetensors_state
 from marsrl_core.learn.learner import Learner
+from marsrl_core.runtime.work import _sync_from_memory
 from marsrl_core.store import SegmentStore
 from tests.rollout_helpers import digit_fraction, sample_groups
 
@@ -39,6 +42,21 @@ def test_asking_for_cuda_without_it_is_a_config_error_naming_the_field():
             resolve_device(spec)
     with pytest.raises(ConfigError, match="model.device"):
         load_config("tiny", None, ["model.device=tpu"])
+
+
+def test_a_numbered_gpu_in_a_process_of_several_ranks_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"model.device='cuda:1': a learner of several ranks puts each rank"):
+        resolve_device("cuda:1")
+
+
+def test_memory_weight_sync_into_tensor_parallel_vllm_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"weight_sync='memory' with tensor_parallel_size=2"):
+        load_config("tiny", None, ["engine.name=vllm", "engine.tensor_parallel_size=2", "engine.weight_sync=memory"])
+    on_gpu = SimpleNamespace(ranks=None, device=torch.device("cuda", 0))  # where the learner is is all it reads
+    assert _sync_from_memory(load_config("tiny", None, ["engine.name=vllm"]), on_gpu)
+    auto = load_config("tiny", None, ["engine.name=vllm", "engine.tensor_parallel_size=2"])
+    assert not _sync_from_memory(auto, on_gpu)  # auto: the folder
 
 
 def test_a_learner_beside_the_rollouts_gets_the_last_gpus_and_the_engine_keeps_the_first():
@@ -140,7 +158,7 @@ def test_gradient_checkpointing_with_mixed_precision_gives_the_same_update(folde
 @pytest.mark.gpu
 @cuda
 def test_the_learner_and_the_hf_engine_run_on_cuda(folder, tmp_path):
-    cfg = _cfg(tmp_path, "model.dtype=bfloat16", "model.device=cuda")
+    cfg = _cfg(tmp_path, "model.dtype=bfloat16", "model.device=cuda", "learner.tis_cap=2.0")
     store = SegmentStore.from_config(cfg.store)
     engine = HFEngine.from_pretrained(folder, dtype="bfloat16", device="cuda")
     learner = Learner(cfg, store, "gpu", folder, tmp_path / "ckpt-gpu", engine.tokenizer)

@@ -61,9 +61,19 @@ class EngineConfig(_Section):
         "gets each committed version: 'memory' copies the learner's weights (in model.dtype, on its device) "
         "straight into it, as verl's and TRL's colocated engines do; 'checkpoint' reloads the version's folder, "
         "which the learner writes anyway; 'auto' is 'memory' on an accelerator and 'checkpoint' on the CPU, where "
-        "the copy costs more than the reload (benchmarks/weight_sync.py). Engines in other processes, and the "
-        "'openai' engine, always reload the folder.",
+        "the copy costs more than the reload (benchmarks/weight_sync.py). Engines in other processes, a 'vllm' "
+        "engine with tensor_parallel_size > 1 (its workers are processes of their own), and the 'openai' engine "
+        "always reload the folder.",
     )
+
+    @model_validator(mode="after")
+    def _memory_sync_in_process(self) -> EngineConfig:
+        if self.weight_sync == "memory" and self.name == "vllm" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"weight_sync='memory' with tensor_parallel_size={self.tensor_parallel_size}: vLLM's tensor-parallel "
+                "workers are processes of their own and cannot take the learner's tensors; use 'checkpoint' or 'auto'"
+            )
+        return self
 
 
 class RolloutConfig(_Section):

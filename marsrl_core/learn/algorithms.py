@@ -178,7 +178,7 @@ def policy_loss(
     behaviour_log_ratio = (logprobs - behavior_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(behaviour_log_ratio)
     weight = torch.ones_like(ratio)
-    rows = torch.ones(len(logprobs), dtype=torch.bool) if tis_cap is not None else decoupled
+    rows = torch.ones(len(logprobs), dtype=torch.bool, device=logprobs.device) if tis_cap is not None else decoupled
     if rows is not None and rows.any():
         proximal = logprobs.detach()
         capped = importance_weights(proximal - behavior_logprobs, mask, tis_cap or 2.0, tis_mode)

@@ -94,6 +94,8 @@ def _sync_from_memory(cfg: MarsRLConfig, learner: Any) -> bool:
     """Whether the learner hands its versions to this process's engines from memory (`engine.weight_sync`)."""
     if cfg.engine.name == "openai" or learner.ranks is not None or cfg.engine.weight_sync == "checkpoint":
         return False
+    if cfg.engine.name == "vllm" and cfg.engine.tensor_parallel_size > 1:  # its workers are other processes
+        return False
     return cfg.engine.weight_sync == "memory" or learner.device.type != "cpu"
 
 
