@@ -138,7 +138,8 @@ def _train_beside_learner_process(config: MarsRLConfig, run_id: str, pending: li
     """The rollouts here, the learner as `marsrl learn` on `learner.nproc` ranks (its output goes to this
     process's), reporting to the same Prefect API; they meet through the store and the checkpoints.
     Returns the learner's last committed step. A learner whose ranks start later than an in-process one
-    leaves the first rollouts' groups older when it begins (`learner.max_staleness` drops them)."""
+    leaves the first rollouts' groups older when it begins (past `learner.max_staleness`, they are handled
+    as `learner.stale_groups` says)."""
     store = runtime().store(config)
     path = Path(config.output_dir) / "runs" / f"{run_id}-learner.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
