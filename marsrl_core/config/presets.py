@@ -22,7 +22,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "temperature": 0.85,
             "problems_per_batch": 128,
         },
-        "learner": {"learning_rate": 1e-6, "policies": "shared"},
+        # Samples of up to 64K tokens: activations recomputed in backward (verl's FSDP workers' default too).
+        "learner": {"learning_rate": 1e-6, "policies": "shared", "gradient_checkpointing": True},
         # Paper-scale reads (64 samples of up to 64K tokens) pass through the store's process: budget for them.
         "store": {"recycle_after_mb": 1024},
     },
