@@ -9,8 +9,9 @@ neither pydantic, Prefect, DuckDB nor MLflow has to be installed. What it measur
   gradient checkpointing, chunked log-probs (`TokenScorer`), the PPO loss, clipping, AdamW; one
   sequence of 4K, 16K and 64K tokens: train tokens/s and peak GPU memory per length;
 - the `hf` engine decoding a batch (bf16, sdpa): decode tokens/s;
-- the weight copy from the learner into the engine: gathering the sharded fp32 weights and loading
-  them into the engine in place (`update_weights` with a state dict), in seconds.
+- the weight copy from the learner into the engine: gathering the sharded fp32 weights and casting
+  them to bf16 on the GPU (`distributed.consolidated_state`), then loading them into the engine in
+  place (`update_weights` with a state dict), in seconds.
 
 Run: `bash benchmarks/gpu_check.sh` (under 8 minutes on one H100/H200-class GPU). Writes
 benchmarks/results/gpu.json (or $OUT/gpu.json when OUT is set). `--smoke` runs the same code on the CPU
@@ -86,6 +87,7 @@ def learner_step(scorer, optimizer, length: int, vocab: int, device: torch.devic
         torch.ones(1, n, device=device),
         token_normalizer=float(n),
         sequence_normalizer=1.0,
+        tis_cap=2.0,  # the importance-sampling path (decoupled PPO's form) on the device too
     )
     out.loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(scorer.parameters(), 1.0)
@@ -161,7 +163,7 @@ def main(smoke: bool) -> dict:
     )
     sync(device)
     start = time.perf_counter()
-    state = distributed.full_state_dict(model, main=True)  # the sharded fp32 weights, whole, on the CPU
+    state = distributed.consolidated_state(model, torch.bfloat16, main=True, device=device)  # whole, bf16, on the GPU
     engine.update_weights(1, state)
     sync(device)
     figures["weight_copy_s"] = time.perf_counter() - start
