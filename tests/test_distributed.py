@@ -2,7 +2,11 @@
 update of one process on the same groups: data parallel and FSDP2, fp32, within 1e-5; the sharded
 learner's consolidated checkpoint loads with `from_pretrained` and into the `hf` engine and scores
 tokens as the one-process learner's model does; it resumes with the same number of ranks and says
-what happens with another."""
+what happens with another.
+
+Two models: the tiny model (untied embeddings: FSDP2 gives the input and output matrices units of
+their own), and for the resume a tied one whose MLP width (255) does not split evenly over two ranks,
+trained with gradient checkpointing."""
 
 from __future__ import annotations
 
@@ -52,11 +56,14 @@ def setup(tmp_path_factory):
     """A tiny model, and the same seeded groups of two agents under one run per learner."""
     tmp = tmp_path_factory.mktemp("dist")
     folder = build_tiny_model(tmp / "tiny", max_position_embeddings=128, seed=0)
+    odd = build_tiny_model(
+        tmp / "odd", max_position_embeddings=128, seed=0, tie_word_embeddings=True, intermediate_size=255
+    )
     cfg = load_config("tiny", None, _overrides(tmp))
     store = SegmentStore.from_config(cfg.store)
     engine = HFEngine.from_pretrained(folder)
     steps: dict[str, list] = {}
-    for run in ("one", "dp", "fsdp", "fsdp-resume"):
+    for run in ("one", "dp", "fsdp", "one-odd", "fsdp-resume"):
         steps[run] = []
         for step in range(STEPS):
             groups = []
@@ -66,13 +73,15 @@ def setup(tmp_path_factory):
                     max_tokens=tokens,
                 )  # fmt: skip
             steps[run].append([{"group_id": g.group_id, "agent": g.agent, "sample_ids": g.sample_ids} for g in groups])
-    one = Learner(cfg, store, "one", folder, tmp / "ckpt-one", engine.tokenizer)
     from marsrl_core.store import TrainableGroup
 
-    for step_groups in steps["one"]:
-        one.train_step([TrainableGroup(g["group_id"], g["agent"], g["sample_ids"]) for g in step_groups])
+    one = {}
+    for run, model in (("one", folder), ("one-odd", odd)):
+        one[run] = Learner(cfg, store, run, model, tmp / f"ckpt-{run}", engine.tokenizer)
+        for step_groups in steps[run]:
+            one[run].train_step([TrainableGroup(g["group_id"], g["agent"], g["sample_ids"]) for g in step_groups])
     store.close()
-    return {"tmp": tmp, "folder": folder, "steps": steps, "one": one}
+    return {"tmp": tmp, "folder": folder, "odd": odd, "steps": steps, "one": one["one"], "one-odd": one["one-odd"]}
 
 
 def _free_port() -> int:
@@ -81,13 +90,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(setup, run, *extra, resume=False, limit=None, launcher="torchrun"):
-    """Two ranks of tests/distributed_steps.py, started by torchrun or by `accelerate launch` with the
-    eight-GPU config of deployments/accelerate (two processes here)."""
+def _launch(setup, run, *extra, resume=False, limit=None, launcher="torchrun", folder="folder"):
+    """Two ranks of tests/distributed_steps.py on `setup[folder]`, started by torchrun or by `accelerate
+    launch` with the eight-GPU config of deployments/accelerate (two processes here)."""
     tmp = setup["tmp"]
     spec = {
         "overrides": _overrides(tmp, *extra),
-        "folder": str(setup["folder"]),
+        "folder": str(setup[folder]),
         "run": run,
         "checkpoints": str(tmp / f"ckpt-{run}"),
         "steps": setup["steps"][run],
@@ -150,12 +159,14 @@ def test_a_sharded_checkpoint_is_a_whole_hugging_face_model(setup):
 
 def test_a_sharded_learner_resumes_with_its_ranks_and_refuses_another_count(setup):
     tmp = setup["tmp"]
-    _launch(setup, "fsdp-resume", "learner.fsdp=true", limit=1)
-    first = _launch(setup, "fsdp-resume", "learner.fsdp=true", resume=True, launcher="accelerate")
-    # The resumed run trained only step 2, from the committed step 1: it ends where the uninterrupted one does.
-    assert _max_diff(first, setup["one"].models["policy"]) <= 1e-5
+    sharded = ("learner.fsdp=true", "learner.gradient_checkpointing=true")
+    _launch(setup, "fsdp-resume", *sharded, limit=1, folder="odd")
+    first = _launch(setup, "fsdp-resume", *sharded, resume=True, launcher="accelerate", folder="odd")
+    # The resumed run trained only step 2, from the committed step 1 (its AdamW state in uneven shards),
+    # recomputing activations in backward: it ends where the uninterrupted one-process run does.
+    assert _max_diff(first, setup["one-odd"].models["policy"]) <= 1e-5
     cfg = load_config("tiny", None, _overrides(tmp))
-    one = Learner(cfg, None, "x", setup["folder"], tmp / "unused")
+    one = Learner(cfg, None, "x", setup["odd"], tmp / "unused")
     with pytest.raises(CheckpointError, match="sharded over 2 ranks, resumed by an unsharded one"):
         load_checkpoint(first, one.models, one.optimizers, one.schedulers)
 

@@ -66,8 +66,10 @@ def build_tiny_model(
     num_heads: int = 4,
     max_position_embeddings: int = 1024,
     seed: int = 0,
+    **config: Any,
 ) -> Path:
-    """Write a tiny Llama-style model and its tokenizer to `folder`; returns the folder."""
+    """Write a tiny Llama-style model and its tokenizer to `folder`; returns the folder. `config` sets
+    any other field of its `LlamaConfig` (untied embeddings, fp32 by default)."""
     if hidden_size // num_heads < 32:
         raise ValueError(
             f"tiny model: head_dim={hidden_size // num_heads} (hidden_size/num_heads) "
@@ -85,8 +87,7 @@ def build_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
+        **({"tie_word_embeddings": False, "torch_dtype": "float32"} | config),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

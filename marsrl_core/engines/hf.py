@@ -35,8 +35,8 @@ from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest
 def load_model_folder(
     path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu", attn: str = "sdpa"
 ):
-    """A causal LM from a Hugging Face folder, from safetensors only, on `device` with attention kernel
-    `attn`; EngineError names what is wrong."""
+    """A causal LM from a Hugging Face folder, from safetensors only, in `dtype` ('auto': as stored) on
+    `device` with attention kernel `attn`; EngineError names what is wrong."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -49,11 +49,28 @@ def load_model_folder(
         except Exception as err:
             raise EngineError(f"checkpoint file {str(file)!r}: cannot be read ({err})") from None
     try:
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, attn_implementation=attn)
         return model.to(device)
     except Exception as err:
         raise EngineError(f"model folder {str(path)!r}: cannot be loaded ({err})") from None
+
+
+def empty_model(path: str | Path, dtype: torch.dtype, attn: str = "sdpa"):
+    """The causal LM of a Hugging Face folder's config with its parameters on the meta device (no memory)
+    and its buffers (rotary frequencies) real on the CPU: a sharded learner's ranks shard it before any
+    weight exists (`distributed.fill_from_rank0`). Built by accelerate's `init_empty_weights`."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise EngineError(f"model folder {str(path)!r}: not found or has no config.json")
+    with init_empty_weights(include_buffers=False):
+        config = AutoConfig.from_pretrained(path)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    model.tie_weights()  # init_empty_weights registers a new meta parameter where the config ties two
+    return model
 
 
 def _safetensors_files(folder: str | Path) -> list[Path]:

@@ -73,16 +73,17 @@ def backward(
     *,
     reference: torch.nn.Module | None,
     step: int,
+    device: torch.device,
     autocast: torch.dtype | None = None,
     min_batches: int = 0,
     filler: TrainItem | None = None,
 ) -> dict[str, float]:
     """Accumulate the gradient of `items`' loss into the scorer's model (`scoring.TokenScorer`); returns
     the agent's sums and maxima (`finish_metrics` turns them into metrics; ranks add theirs first).
-    Batches go to the model's device; forward and loss run under `autocast` when it is set. Past its own
+    Batches go to `device` (the learner's: under FSDP2's CPU offload the parameters rest on the CPU between
+    uses); forward and loss run under `autocast` when it is set. Past its own
     micro-batches, a rank runs `filler` with zero weight until it has run `min_batches`, so that every
     rank of a sharded model runs as many forwards and backwards (each one is a collective)."""
-    device = scorer.model.get_output_embeddings().weight.device
     totals = dict.fromkeys(SUMMED + MAXED, 0.0)
     own = pack(items, lc.micro_batch_tokens)
     batches = own + [[filler]] * max(0, min_batches - len(own))

@@ -8,6 +8,11 @@ tensors, the torch RNG and the fp32 master weights under mixed precision (the mo
 `model.dtype`) in `trainer_state.safetensors`, the rest (optimizer hyper-parameters,
 scheduler state, Python RNG, step) in `trainer_state.json`. Nothing is ever unpickled.
 
+A sharded (FSDP2) learner's checkpoint has the same model folders (the whole weights in `model.dtype`,
+gathered by rank 0), and one `shard.rank<r>.safetensors` per rank with that rank's shards of the trained
+parameters and of the AdamW state (`save_rank_shard`); `trainer_state.json` indexes them (`rank_files`,
+one per rank). A resume reads only its own rank's file, so it needs the same number of ranks.
+
 It is written to a temporary folder and renamed into place when complete, so a folder named `v<v>`
 is always whole. Folders of versions the store never committed, and temporary folders, are cleaned
 up on resume; `prune_checkpoints` keeps only the newest folders (`learner.save_total_limit`).
@@ -91,14 +96,14 @@ def save_checkpoint(
     step: int,
     save_dtype: torch.dtype | None = None,
     full_states: dict[str, dict[str, torch.Tensor]] | None = None,
-    optimizer_shards: int = 0,
+    rank_shards: int = 0,
 ) -> Path:
     """Write everything to a temporary folder, then rename it to `<root>/v<version>`. The model folders
     hold the weights in `save_dtype` (what the engines load); when the trained weights are of another
     dtype (fp32 masters under mixed precision), those go into the trainer state, so a resume restores
-    them exactly. Several ranks: `full_states` are the gathered weights of each model; a sharded
-    learner's ranks have each written their optimizer shard (`save_optimizer_shard`), and
-    `optimizer_shards` (their number) moves them into the folder."""
+    them exactly. A sharded learner: `full_states` are each model's gathered weights in `save_dtype`,
+    its ranks have each written their shard file (`save_rank_shard`, the masters and AdamW state), and
+    `rank_shards` (their number) moves those into the folder."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = version_folder(root, version)
@@ -111,17 +116,21 @@ def save_checkpoint(
         "schedulers": {},
     }
     for name, model in models.items():
-        _save_model(model, tmp / name, save_dtype, tensors, name, (full_states or {}).get(name))
+        if full_states is not None:  # already in save_dtype; the trained weights are in the rank files
+            _save_pretrained(model, tmp / name, full_states[name], save_dtype)
+        else:
+            _save_model(model, tmp / name, save_dtype, tensors, name)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / name)
     for name, opt in optimizers.items():
         opt_tensors, meta["optimizers"][name] = _optimizer_state(name, opt)
-        if not optimizer_shards:
+        if not rank_shards:
             tensors.update(opt_tensors)
-    if optimizer_shards:
-        meta["optimizer_shards"] = optimizer_shards
+    if rank_shards:
+        meta["rank_shards"] = rank_shards
+        meta["rank_files"] = [_shard_file(rank) for rank in range(rank_shards)]  # the index: rank -> its file
         shards = _shard_folder(root, version)
-        for rank in range(optimizer_shards):
+        for rank in range(rank_shards):
             shutil.move(shards / _shard_file(rank), tmp / _shard_file(rank))
         shutil.rmtree(shards)
     for name, sched in schedulers.items():
@@ -157,13 +166,21 @@ def _shard_folder(root: Path, version: int) -> Path:
 
 
 def _shard_file(rank: int) -> str:
-    return f"optimizer.rank{rank}.safetensors"
+    return f"shard.rank{rank}.safetensors"
 
 
-def save_optimizer_shard(root: Path, version: int, rank: int, optimizers: dict[str, torch.optim.Optimizer]) -> None:
-    """A sharded learner's rank writes its optimizer shards for version `version` (rank 0's
-    `save_checkpoint` then moves every rank's file into the checkpoint)."""
+def save_rank_shard(
+    root: Path, version: int, rank: int, models: dict[str, Any], optimizers: dict[str, torch.optim.Optimizer]
+) -> None:
+    """A sharded learner's rank writes its shards of the trained parameters (fp32 masters under mixed
+    precision) and of the AdamW state for version `version` (rank 0's `save_checkpoint` then moves every
+    rank's file into the checkpoint)."""
+    from marsrl_core.learn.distributed import local
+
     tensors = {}
+    for name, model in models.items():
+        for key, param in model.named_parameters():  # tied parameters once
+            tensors[f"param.{name}.{key}"] = local(param).detach().cpu().contiguous()
     for name, opt in optimizers.items():
         tensors.update(_optimizer_state(name, opt)[0])
     folder = _shard_folder(root, version)
@@ -171,25 +188,23 @@ def save_optimizer_shard(root: Path, version: int, rank: int, optimizers: dict[s
     save_file(tensors, str(folder / _shard_file(rank)))
 
 
-def _save_model(
-    model: Any,
-    folder: Path,
-    dtype: torch.dtype | None,
-    tensors: dict[str, torch.Tensor],
-    name: str,
-    state: dict[str, torch.Tensor] | None = None,
-):
+def _save_model(model: Any, folder: Path, dtype: torch.dtype | None, tensors: dict[str, torch.Tensor], name: str):
     params = dict(model.named_parameters())
-    state = state if state is not None else {k: v.detach() for k, v in model.state_dict().items()}
+    state = {k: v.detach() for k, v in model.state_dict().items()}
     if dtype is None or all(p.dtype == dtype for p in params.values()):
         model.save_pretrained(folder, state_dict=state, safe_serialization=True)
         return
     for key in params:
         tensors[f"master.{name}.{key}"] = state[key].contiguous()  # written at once: no copy needed
-    saved_dtype, model.config.dtype = model.config.dtype, dtype
+    _save_pretrained(model, folder, {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, dtype)
+
+
+def _save_pretrained(model: Any, folder: Path, state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> None:
+    """`state` as a Hugging Face folder whose config says `dtype`."""
+    saved_dtype = model.config.dtype
+    model.config.dtype = dtype or saved_dtype
     try:
-        cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        model.save_pretrained(folder, state_dict=cast, safe_serialization=True)
+        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
     finally:
         model.config.dtype = saved_dtype
 
@@ -221,8 +236,8 @@ def load_checkpoint(
     world_size: int = 1,
 ) -> int:
     """Restore weights, optimizers, schedulers and RNG from `folder`; returns the step. A sharded
-    learner (`rank` set) puts the whole weights into its shards and reads its own optimizer shard,
-    which needs the world size the checkpoint was written with."""
+    learner (`rank` set) reads only its own rank's file (its parameter and AdamW shards), which needs
+    the world size the checkpoint was written with."""
     from marsrl_core.engines.hf import load_safetensors_state, read_safetensors
 
     folder = Path(folder)
@@ -233,7 +248,7 @@ def load_checkpoint(
         tensors = read_safetensors(folder / STATE_TENSORS)
     except Exception as err:
         raise CheckpointError(f"checkpoint {str(folder)!r}: trainer state cannot be read ({err})") from None
-    shards = meta.get("optimizer_shards", 0)
+    shards = meta.get("rank_shards", 0)
     if shards != (world_size if rank is not None else 0):
         written = f"a learner sharded over {shards} ranks" if shards else "an unsharded learner"
         reading = f"one sharded over {world_size} ranks" if rank is not None else "an unsharded one"
@@ -242,8 +257,18 @@ def load_checkpoint(
             f"cannot be resharded: resume with the same number of ranks and `learner.fsdp`"
         )
     if shards:
-        tensors |= read_safetensors(folder / _shard_file(rank))
+        try:
+            tensors |= read_safetensors(folder / meta["rank_files"][rank])
+        except Exception as err:
+            raise CheckpointError(f"checkpoint {str(folder)!r}: rank {rank}'s shard cannot be read ({err})") from None
     for name, model in models.items():
+        if shards:
+            _load_shards(
+                model,
+                {k[len(f"param.{name}.") :]: v for k, v in tensors.items() if k.startswith(f"param.{name}.")},
+                folder,
+            )
+            continue
         try:
             state = load_safetensors_state(folder / name)
         except Exception as err:
@@ -268,19 +293,27 @@ def load_checkpoint(
 
 
 def _load_weights(model: Any, state: dict[str, torch.Tensor]) -> None:
-    """Whole weights into a model, or into each rank's shards of a sharded one."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
+    """Whole weights into a model."""
     with torch.no_grad():
         for key, param in model.state_dict(keep_vars=True).items():
-            if key not in state:
-                continue
-            value = state[key]
-            if isinstance(param, DTensor):
-                value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements)
-                param.to_local().copy_(value.to_local())
-            else:
-                param.copy_(value)
+            if key in state:
+                param.copy_(state[key])
+
+
+def _load_shards(model: Any, shards: dict[str, torch.Tensor], folder: Path) -> None:
+    """This rank's saved shards into a sharded model's parameters (tied ones under one name)."""
+    from marsrl_core.learn.distributed import local
+
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            mine = local(param)
+            if key not in shards or shards[key].shape != mine.shape:
+                found = tuple(shards[key].shape) if key in shards else "nothing"
+                raise CheckpointError(
+                    f"checkpoint {str(folder)!r}: parameter {key} holds {found} for this rank, "
+                    f"expected {tuple(mine.shape)}"
+                )
+            mine.copy_(shards[key])
 
 
 def _as_sharded(state: dict[int, dict[str, Any]], opt: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -293,7 +326,10 @@ def _as_sharded(state: dict[int, dict[str, Any]], opt: torch.optim.Optimizer) ->
         if isinstance(param, DTensor):
             for key, value in entry.items():
                 if torch.is_tensor(value) and value.shape == param.to_local().shape and value.dim():
-                    entry[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements)
+                    entry[key] = DTensor.from_local(  # the global shape: a dimension may not split evenly
+                        value.to(param.device), param.device_mesh, param.placements, shape=param.shape,
+                        stride=param.stride(),
+                    )  # fmt: skip
     return state
 
 

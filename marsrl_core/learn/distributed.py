@@ -11,10 +11,16 @@ One step on N ranks computes the update of one process on the same groups:
   trains on its share of each agent's samples (`split_by_tokens`: balanced by tokens);
 - gradients are summed over ranks: `all_reduce_gradients` for a replicated model, FSDP2's
   reduce-scatter (divide factor 1) for a sharded one; metric sums are added by `reduce_totals`;
-- rank 0 writes the consolidated checkpoint (`full_state_dict`) and commits the step.
+- rank 0 writes the consolidated checkpoint (`consolidated_state`, in the engines' dtype) and commits
+  the step; every rank writes its own shards of the parameters and of the AdamW state.
 
-Sharding (`shard`): each decoder layer is one FSDP2 unit and the scorer the root (embeddings, final
-norm, output matrix); under mixed precision the units compute in bf16 and reduce gradients in fp32
+A sharded model is built on the meta device, sharded, then filled from rank 0 (`fill_from_rank0`):
+only rank 0 reads the model folder, and no rank holds the whole model in fp32.
+
+Sharding (`shard`): each decoder layer is one FSDP2 unit, so are the input embeddings and the output
+matrix when they are not tied (a vocabulary matrix is gathered only while it is used: for an 8B
+model, 2.5 GB each in fp32), and the scorer is the root (the final norm, and a tied matrix); under
+mixed precision the units compute in bf16 and reduce gradients in fp32
 (`MixedPrecisionPolicy`); `learner.fsdp_cpu_offload` keeps parameters, gradients and optimizer
 state on the CPU between uses.
 """
@@ -86,8 +92,8 @@ def broadcast(value: Any, group: Any = None) -> Any:
     return box[0]
 
 
-def barrier() -> None:
-    dist.barrier()
+def barrier(group: Any = None) -> None:
+    dist.barrier(group=group)
 
 
 def split_by_tokens(items: list, sizes: list[int], world_size: int) -> list[list]:
@@ -152,9 +158,19 @@ def all_reduce_gradients(model: torch.nn.Module) -> None:
 
 
 def shard(scorer: torch.nn.Module, device: torch.device, compute: torch.dtype | None, cpu_offload: bool):
-    """FSDP2 over all ranks: one unit per decoder layer, the scorer the root; gradients summed."""
+    """FSDP2 over all ranks: one unit per decoder layer, one each for untied input and output matrices
+    (a tied matrix, used first and last, stays in the root), the scorer the root; gradients summed."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
+    from marsrl_core.learn.scoring import LOGPROBS_METHOD
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     options = {
@@ -162,8 +178,14 @@ def shard(scorer: torch.nn.Module, device: torch.device, compute: torch.dtype | 
         "mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    for layer in scorer.model.get_decoder().layers:
+    model = scorer.model
+    for layer in model.get_decoder().layers:
         fully_shard(layer, **options)
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embeddings.weight is not head.weight:  # untied: each matrix is gathered only while it is used
+        fully_shard(embeddings, **options)
+        fully_shard(head, **options)
+        register_fsdp_forward_method(head, LOGPROBS_METHOD)
     fully_shard(scorer, **options)
     for module in scorer.modules():
         if isinstance(module, FSDPModule):  # sum, not average: the loss is already normalised globally
@@ -186,12 +208,54 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def full_state_dict(model: torch.nn.Module, main: bool) -> dict[str, torch.Tensor]:
-    """The whole state dict on the CPU of rank 0 (every rank takes part in gathering sharded tensors;
-    the others get an empty dict)."""
-    state = {}
-    for key, value in model.state_dict().items():
-        value = full(value)
-        if main:
-            state[key] = value.detach().cpu()
+def consolidated_state(
+    model: torch.nn.Module, dtype: torch.dtype, main: bool, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The whole state dict on rank 0, floating tensors in `dtype` (what the engines load), on `device`:
+    gathered and cast one tensor at a time, so rank 0 holds the model in `dtype`, never in fp32. Every
+    rank takes part in the gathers; the others get an empty dict. Tied tensors are gathered once."""
+    state: dict[str, torch.Tensor] = {}
+    seen: dict[int, torch.Tensor | None] = {}
+    with torch.no_grad():
+        for key, value in model.state_dict(keep_vars=True).items():
+            if id(value) not in seen:
+                whole = full(value.detach())
+                cast = dtype if whole.is_floating_point() else None
+                seen[id(value)] = whole.to(dtype=cast).to(device) if main else None
+            if main:
+                state[key] = seen[id(value)]
     return state
+
+
+def fill_from_rank0(model: torch.nn.Module, device: torch.device, source: dict[str, torch.Tensor] | None) -> None:
+    """Give a sharded model built on the meta device (`engines.hf.empty_model`, then `shard`) its weights:
+    every rank allocates its shards on `device` and receives them from rank 0, which alone holds the whole
+    weights (`source`, a state dict on its CPU); each tensor is scattered from rank 0 (`distribute_tensor`)
+    in turn, so no rank ever holds more than one whole tensor (accelerate's `cpu_ram_efficient_loading`).
+    Buffers (rotary frequencies, real on the CPU) are kept. A key missing from `source` fails every rank."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    targets = model.state_dict(keep_vars=True)
+    missing = broadcast(sorted(set(targets) - set(source)) if source is not None else None)
+    if missing:
+        raise RuntimeError(f"the model folder lacks {len(missing)} of the model's tensors, e.g. {missing[0]!r}")
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+        for key, target in targets.items():
+            if id(target) in done:  # tied: the same tensor under another key
+                continue
+            done.add(id(target))
+            transfer = _device() if dist.get_backend() == "nccl" else torch.device("cpu")
+            if source is not None:
+                whole = source[key].to(transfer, target.dtype)
+            else:
+                whole = torch.empty(target.shape, dtype=target.dtype, device=transfer)
+            if isinstance(target, DTensor):
+                local(target).copy_(distribute_tensor(whole, target.device_mesh, target.placements).to_local())
+            else:
+                dist.broadcast(whole, src=0)
+                target.copy_(whole)

@@ -61,7 +61,7 @@ from marsrl_core.learn.checkpoint import (
     policy_names,
     prune_checkpoints,
     save_checkpoint,
-    save_optimizer_shard,
+    save_rank_shard,
     version_folder,
 )
 from marsrl_core.learn.scoring import TokenScorer
@@ -91,10 +91,13 @@ class StepReport:
     skipped_nonfinite: bool = False
 
 
-def _load_model(folder: Path, cfg: MarsRLConfig, dtype: torch.dtype, device: torch.device):
-    from marsrl_core.engines.hf import load_model_folder
+def _load_model(folder: Path, cfg: MarsRLConfig, dtype: torch.dtype, device: torch.device, empty: bool = False):
+    """The model of `folder` in `dtype` on `device`, ready to train; `empty`: its parameters on the meta
+    device, for a sharded learner to shard before they exist (`distributed.fill_from_rank0`)."""
+    from marsrl_core.engines.hf import empty_model, load_model_folder
 
-    model = load_model_folder(folder, dtype, device, attn_implementation(cfg.model.attn_implementation, device))
+    attn = attn_implementation(cfg.model.attn_implementation, device)
+    model = empty_model(folder, dtype, attn) if empty else load_model_folder(folder, dtype, device, attn)
     if cfg.learner.gradient_checkpointing:
         # non-reentrant: the form torch recommends, and the one FSDP2's hooks see through
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -124,16 +127,14 @@ class Learner:
         self.temperature = cfg.rollout.temperature or 1.0
         self.sharded = ranks is not None and lc.fsdp
         names = policy_names(per_agent=lc.policies == "per_agent")
-        self.models = {name: _load_model(start_folder, cfg, master_dtype(cfg), self.device) for name in names}
+        load = lambda dtype: _load_model(start_folder, cfg, dtype, self.device, empty=self.sharded)
+        self.models = {name: load(master_dtype(cfg)) for name in names}
         self.scorers = {name: self._scorer(m) for name, m in self.models.items()}
         self.reference = None
         if lc.beta > 0:  # frozen, so no fp32 master copy
-            frozen = _load_model(start_folder, cfg, getattr(torch, cfg.model.dtype), self.device).eval()
-            self.reference = self._scorer(frozen.requires_grad_(False))
+            self.reference = self._scorer(load(getattr(torch, cfg.model.dtype)).eval().requires_grad_(False))
         if self.sharded:  # FSDP2 computes in bf16 itself (MixedPrecisionPolicy), so no autocast on top
-            for scorer in [*self.scorers.values(), *([self.reference] if self.reference is not None else [])]:
-                distributed.shard(scorer, self.device, self.autocast, lc.fsdp_cpu_offload)
-            self.autocast = None
+            self._shard(start_folder)
         self.optimizers = {  # after sharding: each rank's AdamW holds the state of its own shards
             # fused: one kernel over all parameters, without the parameter-sized temporaries of `foreach`
             name: torch.optim.AdamW(m.parameters(), lr=lc.learning_rate, weight_decay=lc.weight_decay, fused=True)
@@ -156,6 +157,21 @@ class Learner:
         }
         self.step = 0
         self.logged_version = 0  # newest version logged to MLflow
+
+    def _shard(self, start_folder: Path) -> None:
+        """Shard the empty models (FSDP2), then fill them: rank 0 alone reads the starting folder (as
+        stored, on its CPU) and scatters each tensor; every rank keeps only its shards."""
+        from marsrl_core.engines.hf import load_model_folder
+
+        lc = self.cfg.learner
+        source = None
+        if self.ranks.main:
+            source = load_model_folder(start_folder, "auto", "cpu").state_dict()
+        placed = torch.device("cpu") if lc.fsdp_cpu_offload else self.device
+        for scorer in [*self.scorers.values(), *([self.reference] if self.reference is not None else [])]:
+            distributed.shard(scorer, self.device, self.autocast, lc.fsdp_cpu_offload)
+            distributed.fill_from_rank0(scorer.model, placed, source)
+        self.autocast = None
 
     def _scorer(self, model) -> TokenScorer:
         return TokenScorer(model, self.cfg.learner.logprob_chunk_tokens, self.temperature)
@@ -252,14 +268,15 @@ class Learner:
                     if self.policy_name(agent) == name:
                         metrics[agent]["grad_norm"] = norms[name]
             nonfinite = not all(math.isfinite(norm) for norm in norms.values())
-        if nonfinite:  # no update at all: the step's samples are consumed, its version the weights as they were
-            for opt in self.optimizers.values():
-                opt.zero_grad(set_to_none=True)
-        else:
+        if (
+            not nonfinite
+        ):  # else no update at all: the step's samples are consumed, its version the weights as they were
             for name in trained:
                 self.optimizers[name].step()
                 self.schedulers[name].step()
                 self._check_finite(name)
+        for opt in self.optimizers.values():  # the gradients are spent: their memory is free for the checkpoint
+            opt.zero_grad(set_to_none=True)
         self.step += 1
         elapsed = time.perf_counter() - start
         for agent, s in stats.items():
@@ -307,6 +324,7 @@ class Learner:
                 lc,
                 reference=self.reference,
                 step=self.step,
+                device=self.device,
                 autocast=self.autocast,
                 min_batches=min_batches,
                 filler=items[0],
@@ -342,17 +360,22 @@ class Learner:
         dropped: dict[str, list[str]] | None = None,
     ) -> Path:
         """Checkpoint (complete before anything else), then one store transaction, then MLflow. With
-        several ranks every rank takes part in gathering the weights (and writes its optimizer shard
-        when sharded); rank 0 writes the checkpoint and commits; the others wait for the commit."""
+        several ranks: a sharded learner's ranks take part in gathering the weights and each writes its
+        own shards; rank 0 writes the checkpoint and commits; the others wait for the commit."""
         full_states, shards = None, 0
-        if self.ranks is not None:
-            full_states = {name: distributed.full_state_dict(m, self.ranks.main) for name, m in self.models.items()}
-            if self.sharded:
-                save_optimizer_shard(self.checkpoint_root, self.step, self.ranks.rank, self.optimizers)
-                shards = self.ranks.world_size
+        save_dtype = getattr(torch, self.cfg.model.dtype)
+        if self.sharded:  # rank 0 gathers the whole weights in model.dtype; each rank saves its own shards
+            full_states = {
+                n: distributed.consolidated_state(m, save_dtype, self.ranks.main) for n, m in self.models.items()
+            }
+            save_rank_shard(self.checkpoint_root, self.step, self.ranks.rank, self.models, self.optimizers)
+            shards = self.ranks.world_size
+        if self.ranks is not None:  # data parallel: rank 0's model and AdamW state are whole
             distributed.barrier()
-            if not self.ranks.main:
-                distributed.barrier()  # rank 0 has committed (or failed, and the collective times out)
+            if not self.ranks.main:  # until rank 0 has committed: on the control group, whose wait is not
+                # `collective_timeout_s`, since writing a large checkpoint (and logging it to MLflow) may take
+                # longer; a rank 0 that fails takes the ranks down through the launcher
+                distributed.barrier(self.ranks.control)
                 return version_folder(self.checkpoint_root, self.step)
         folder = save_checkpoint(
             self.checkpoint_root,
@@ -362,9 +385,9 @@ class Learner:
             self.optimizers,
             self.schedulers,
             self.step,
-            save_dtype=getattr(torch, self.cfg.model.dtype),
+            save_dtype=save_dtype,
             full_states=full_states,
-            optimizer_shards=shards,
+            rank_shards=shards,
         )
         mlflow_run = self.tracker.run_id if self.tracker is not None else None
         crash_point("checkpoint.commit")
@@ -378,7 +401,7 @@ class Learner:
         if self.cfg.learner.save_total_limit:  # only after the commit: the newest committed version stays
             prune_checkpoints(self.checkpoint_root, self.cfg.learner.save_total_limit)
         if self.ranks is not None:
-            distributed.barrier()
+            distributed.barrier(self.ranks.control)
         return folder
 
     def log_newest_checkpoint(self) -> None:

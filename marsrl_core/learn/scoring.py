@@ -2,13 +2,15 @@
 
 `TokenScorer(model)(batch)` returns the log-prob and entropy of every response token of a packed
 micro-batch, never materialising [tokens x vocabulary] logits (`algorithms.chunked_logprobs`). The
-output matrix is used inside this module's forward, so when FSDP2 shards the scorer (the decoder
-layers each, the embeddings, final norm and output matrix in the root), they are gathered for the
-forward and their gradients reduce-scattered after backward like every other parameter.
+output matrix is read by a method of the output module itself (`LOGPROBS_METHOD`), which FSDP2 treats
+as that module's forward (`distributed.shard` registers it): when the output module is an FSDP2 unit
+of its own, its matrix is gathered for that call and its gradient reduce-scattered after backward
+like every other parameter.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,15 +49,25 @@ class PackedBatch:
         )
 
 
+LOGPROBS_METHOD = "marsrl_logprobs"  # the method of the output module that computes the chunked log-probs
+
+
+def _output_logprobs(head: torch.nn.Module, hidden, targets, chunk_tokens: int, temperature: float):
+    return chunked_logprobs(hidden, head.weight, targets, chunk_tokens, temperature)
+
+
 class TokenScorer(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, chunk_tokens: int, temperature: float):
         super().__init__()
         self.model, self.chunk_tokens, self.temperature = model, chunk_tokens, temperature
+        head = model.get_output_embeddings()
+        if not hasattr(head, LOGPROBS_METHOD):
+            setattr(head, LOGPROBS_METHOD, types.MethodType(_output_logprobs, head))
 
     def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs [B, T_max] (right-padded) and the flat entropy [T] (a metric: no gradient)."""
         hidden = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         flat = hidden.last_hidden_state.flatten(0, 1)[batch.positions]
-        weight = self.model.get_output_embeddings().weight
-        logprobs, entropy = chunked_logprobs(flat, weight, batch.targets, self.chunk_tokens, self.temperature)
+        head = getattr(self.model.get_output_embeddings(), LOGPROBS_METHOD)
+        logprobs, entropy = head(flat, batch.targets, self.chunk_tokens, self.temperature)
         return pad_sequence(list(logprobs.float().split(batch.lengths)), batch_first=True), entropy
