@@ -249,13 +249,13 @@ def fill_from_rank0(model: torch.nn.Module, device: torch.device, source: dict[s
             if id(target) in done:  # tied: the same tensor under another key
                 continue
             done.add(id(target))
-            transfer = _device() if dist.get_backend() == "nccl" else torch.device("cpu")
-            if source is not None:
-                whole = source[key].to(transfer, target.dtype)
+            if source is not None:  # rank 0's tensor goes out; the others' is only a buffer of its shape
+                whole = source[key].to(_device(), target.dtype)
             else:
-                whole = torch.empty(target.shape, dtype=target.dtype, device=transfer)
+                whole = torch.empty(target.shape, dtype=target.dtype, device=_device())
             if isinstance(target, DTensor):
-                local(target).copy_(distribute_tensor(whole, target.device_mesh, target.placements).to_local())
+                part = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=0)
+                local(target).copy_(part.to_local())
             else:
                 dist.broadcast(whole, src=0)
                 target.copy_(whole)
