@@ -1,18 +1,26 @@
 """Learner scaling on the CPU: the same learner steps in one process and on two FSDP2 ranks (gloo),
 for a ~110M-parameter Llama-shaped model built from a config, whose parameters, gradients and AdamW
-state (about 1.8 GB in fp32) dominate its memory.
+state (about 1.8 GB in fp32) dominate its memory. Three precision set-ups, each for both learners:
+- `bf16`: as the paper preset trains: fp32 master weights and AdamW state, bf16 compute (autocast in
+  one process, FSDP2's `MixedPrecisionPolicy` on the ranks), gradient checkpointing;
+- `fp32`: fp32 throughout with gradient checkpointing; here the two learners must reach the same
+  parameters (`max_param_diff`), as tests/test_distributed.py checks on a tiny model;
+- `fp32_no_checkpointing`: fp32, activations kept.
 
 Each learner runs in its own processes (`--worker`; the two ranks under torch.distributed.run, one
 thread each, so both set-ups use this machine's two cores). Memory is the anonymous resident set
 (tensors, not library code), sampled every 5 ms by a thread, minus its size before the learner was
 built: `peak_load_mb` while it loads and shards the model, `peak_train_mb` during its steps' forward,
 backward and AdamW update, `peak_checkpoint_mb` while it writes the checkpoint (rank 0 gathers the
-weights whole, every rank writes its optimizer shard). Both learners train on the same stored
-groups, so their checkpoints must hold the same parameters (`max_param_diff`).
+weights whole in the model's dtype, every rank writes its own shards). Both learners train on the same
+stored groups, so their checkpoints must hold the same parameters (`max_param_diff`).
 
-Run: `python benchmarks/learner_scale.py` (about 5 minutes). Writes benchmarks/results/learner_scale.json
-with fsdp2_peak_ratio (the larger rank's peak during the steps / the one process's),
-fsdp2_checkpoint_peak_ratio, max_param_diff, step_s, and the peaks per set-up and rank.
+Run: `python benchmarks/learner_scale.py` (about 10 minutes). Writes benchmarks/results/learner_scale.json
+with fsdp2_peak_ratio (the larger rank's peak during the steps / the one process's, `bf16`),
+max_param_diff (`fp32`), and per set-up (`setups`): its peak ratios during the steps and at the
+checkpoint, its parameter difference, step times and the peaks per rank. The loading peaks are not
+compared: one process's weights stay memory-mapped file pages (not anonymous memory) until its first
+update writes them, while the ranks' shards are copies.
 """
 
 from __future__ import annotations
@@ -32,6 +40,12 @@ STEPS = 2
 GROUPS, GROUP_SIZE = 4, 4  # per step
 PROMPT_TOKENS, RESPONSE_TOKENS = 64, 192
 VOCAB = 16000
+SETUPS = {
+    "bf16": ["model.dtype=bfloat16", "learner.gradient_checkpointing=true"],
+    "fp32": ["learner.gradient_checkpointing=true"],
+    "fp32_no_checkpointing": ["learner.gradient_checkpointing=false"],
+}
+RUNS = [f"{learner}-{setup}" for setup in SETUPS for learner in ("one", "fsdp2")]  # each commits its own versions
 MODEL = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 2048}
 
 
@@ -109,7 +123,7 @@ def worker(spec_path: str) -> None:
 
 
 def build_inputs(tmp: Path) -> tuple[Path, dict[str, list]]:
-    """The model folder, and the same random groups stored under the runs 'one' and 'fsdp2'."""
+    """The model folder, and the same random groups stored under each of `RUNS`."""
     import numpy as np
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -125,7 +139,7 @@ def build_inputs(tmp: Path) -> tuple[Path, dict[str, list]]:
     model.save_pretrained(folder)
     store = SegmentStore(f"sqlite:{tmp}/lake.sqlite", f"{tmp}/data")
     rng = np.random.default_rng(0)
-    steps: dict[str, list] = {"one": [], "fsdp2": []}
+    steps: dict[str, list] = {run: [] for run in RUNS}
     for step in range(STEPS):
         groups = []
         for g in range(GROUPS):
@@ -150,7 +164,7 @@ def build_inputs(tmp: Path) -> tuple[Path, dict[str, list]]:
     return folder, steps
 
 
-def run_learner(tmp: Path, folder: Path, run: str, steps: list, ranks: int) -> dict:
+def run_learner(tmp: Path, folder: Path, run: str, steps: list, ranks: int, setup: list[str]) -> dict:
     spec = {
         "overrides": [
             f"store.catalog_url=sqlite:{tmp}/lake.sqlite",
@@ -161,6 +175,7 @@ def run_learner(tmp: Path, folder: Path, run: str, steps: list, ranks: int) -> d
             "learner.micro_batch_tokens=256",  # one sample per micro-batch: the model and AdamW state dominate
             "learner.save_total_limit=1",
             f"learner.fsdp={ranks > 1}",
+            *setup,
         ],
         "folder": str(folder),
         "run": run,
@@ -171,14 +186,47 @@ def run_learner(tmp: Path, folder: Path, run: str, steps: list, ranks: int) -> d
     path = tmp / f"spec-{run}.json"
     path.write_text(json.dumps(spec))
     env = os.environ | {"OMP_NUM_THREADS": str(2 // ranks), "PYTHONPATH": str(Path(__file__).parents[1])}
-    # glibc returns freed blocks of 1 MB and more to the system at once, so the resident set follows the
-    # live tensors (by default its threshold grows past the size of the tensors freed, and it keeps them).
-    env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    # glibc returns freed blocks of 64 KiB and more to the system at once, so the resident set follows the
+    # live tensors (by default its threshold grows past the size of the tensors freed, and it keeps them;
+    # one layer's activation of this model, 256 x 768 floats, is 0.75 MiB).
+    env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 16)
     launcher = [sys.executable]
     if ranks > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     subprocess.run([*launcher, __file__, "--worker", str(path)], env=env, check=True)
     return {r: json.loads((tmp / f"result-{run}-{r}.json").read_text()) for r in range(ranks)}
+
+
+def compare(tmp: Path, folder: Path, steps: dict[str, list], setup: str) -> tuple[dict, list]:
+    """One process against two FSDP2 ranks on the same groups: their peaks, step times and parameters."""
+    from marsrl_core.engines.hf import load_safetensors_state
+
+    one = run_learner(tmp, folder, f"one-{setup}", steps[f"one-{setup}"], 1, SETUPS[setup])
+    fsdp = run_learner(tmp, folder, f"fsdp2-{setup}", steps[f"fsdp2-{setup}"], 2, SETUPS[setup])
+    a = load_safetensors_state(Path(one[0]["checkpoint"]) / "policy")  # in model.dtype
+    b = load_safetensors_state(Path(fsdp[0]["checkpoint"]) / "policy")
+    start = {k: v.to(a[k].dtype).float() for k, v in load_safetensors_state(folder).items()}
+    a, b = {k: v.float() for k, v in a.items()}, {k: v.float() for k, v in b.items()}
+    peak = lambda key: max(r[key] for r in fsdp.values()) / one[0][key]  # noqa: E731
+    figures = {
+        "fsdp2_peak_ratio": peak("peak_train_mb"),
+        "fsdp2_checkpoint_peak_ratio": peak("peak_checkpoint_mb"),
+        "max_param_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+        "max_param_change": max(float((a[k] - start[k]).abs().max()) for k in a),
+        "step_s": {"one_process": one[0]["step_s"], "fsdp2_2_ranks": fsdp[0]["step_s"]},
+        "train_tokens_per_s": {
+            "one_process": one[0]["train_tokens_per_s"],
+            "fsdp2_2_ranks": fsdp[0]["train_tokens_per_s"],
+        },
+    }
+    for key in ("peak_load_mb", "peak_train_mb", "peak_checkpoint_mb"):
+        figures[key] = {"one_process": one[0][key], "fsdp2_2_ranks": [v[key] for v in fsdp.values()]}
+    rows = []
+    for label, runs in (("one process", one), ("FSDP2, 2 ranks", fsdp)):
+        for r, v in runs.items():
+            step = sum(v["step_s"]) / STEPS if v["step_s"] else "-"
+            rows.append([label, r, v["peak_load_mb"], v["peak_train_mb"], v["peak_checkpoint_mb"], step])
+    return figures, rows
 
 
 def main() -> None:
@@ -187,48 +235,26 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="learner-scale-"))
     folder, steps = build_inputs(tmp)
-    one = run_learner(tmp, folder, "one", steps["one"], 1)
-    fsdp = run_learner(tmp, folder, "fsdp2", steps["fsdp2"], 2)
-    a = load_safetensors_state(Path(one[0]["checkpoint"]) / "policy")
-    b = load_safetensors_state(Path(fsdp[0]["checkpoint"]) / "policy")
-    start = load_safetensors_state(folder)
-    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
-    ratio = max(r["peak_train_mb"] for r in fsdp.values()) / one[0]["peak_train_mb"]
-    checkpoint_ratio = max(r["peak_checkpoint_mb"] for r in fsdp.values()) / one[0]["peak_checkpoint_mb"]
-    rows = []
-    for label, runs in (("one process", one), ("FSDP2, 2 ranks", fsdp)):
-        for r, v in runs.items():
-            step = sum(v["step_s"]) / STEPS if v["step_s"] else "-"
-            rows.append([label, r, v["peak_load_mb"], v["peak_train_mb"], v["peak_checkpoint_mb"], step])
+    figures: dict = {"steps": STEPS}
+    figures["tokens_per_step"] = GROUPS * sum(PROMPT_TOKENS + RESPONSE_TOKENS - 16 * m for m in range(GROUP_SIZE))
     header = ["set-up", "rank", "peak load MB", "peak step MB", "peak checkpoint MB", "step s (with checkpoint)"]
-    print_rows("learner scale (CPU)", header, rows)
+    figures["setups"] = {}
+    for setup in SETUPS:
+        measured, rows = compare(tmp, folder, steps, setup)
+        print_rows(f"learner scale (CPU), {setup}: {' '.join(SETUPS[setup])}", header, rows)
+        print(
+            f"{setup}: fsdp2_peak_ratio {measured['fsdp2_peak_ratio']:.3f} (goal <= 0.6), at the checkpoint "
+            f"{measured['fsdp2_checkpoint_peak_ratio']:.3f}; "
+            f"max_param_diff {measured['max_param_diff']:.2e} (weights moved by {measured['max_param_change']:.2e})"
+        )
+        figures["setups"][setup] = measured
+    figures["fsdp2_peak_ratio"] = figures["setups"]["bf16"]["fsdp2_peak_ratio"]
+    figures["max_param_diff"] = figures["setups"]["fp32"]["max_param_diff"]
     print(
-        f"fsdp2_peak_ratio {ratio:.3f} (goal <= 0.6), at the checkpoint {checkpoint_ratio:.3f}; "
-        f"max_param_diff {diff:.2e} (weights moved by {moved:.2e})"
+        f"fsdp2_peak_ratio {figures['fsdp2_peak_ratio']:.3f} (bf16), "
+        f"max_param_diff {figures['max_param_diff']:.2e} (fp32)"
     )
-    figures = {
-        "parameters_m": sum(v.numel() for v in start.values()) / 1e6,
-        "fsdp2_peak_ratio": ratio,
-        "fsdp2_checkpoint_peak_ratio": checkpoint_ratio,
-        "max_param_diff": diff,
-        "max_param_change": moved,
-        "step_s": {"one_process": one[0]["step_s"], "fsdp2_2_ranks": fsdp[0]["step_s"]},
-        "train_tokens_per_s": {
-            "one_process": one[0]["train_tokens_per_s"],
-            "fsdp2_2_ranks": fsdp[0]["train_tokens_per_s"],
-        },
-        "peak_train_mb": {
-            "one_process": one[0]["peak_train_mb"],
-            "fsdp2_2_ranks": [v["peak_train_mb"] for v in fsdp.values()],
-        },
-        "peak_load_mb": {
-            "one_process": one[0]["peak_load_mb"],
-            "fsdp2_2_ranks": [v["peak_load_mb"] for v in fsdp.values()],
-        },
-        "steps": STEPS,
-        "tokens_per_step": GROUPS * sum(PROMPT_TOKENS + RESPONSE_TOKENS - 16 * m for m in range(GROUP_SIZE)),
-    }
+    figures["parameters_m"] = sum(v.numel() for v in load_safetensors_state(folder).values()) / 1e6
     print(f"wrote {write_results('learner_scale', figures)}")
 
 
