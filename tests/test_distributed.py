@@ -6,12 +6,13 @@ what happens with another.
 
 Two models: the tiny model (untied embeddings: FSDP2 gives the input and output matrices units of
 their own), and for the resume a tied one whose MLP width (255) does not split evenly over two ranks,
-trained with gradient checkpointing."""
+trained with gradient checkpointing and a KL term against a frozen reference model."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from tests.rollout_helpers import digit_fraction, sample_groups
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
+REFERENCE = "learner.beta=0.05"  # the resume's runs: a KL term against a frozen reference model (sharded too)
 
 
 def _overrides(tmp_path, *extra):
@@ -76,8 +78,9 @@ def setup(tmp_path_factory):
     from marsrl_core.store import TrainableGroup
 
     one = {}
-    for run, model in (("one", folder), ("one-odd", odd)):
-        one[run] = Learner(cfg, store, run, model, tmp / f"ckpt-{run}", engine.tokenizer)
+    with_reference = load_config("tiny", None, _overrides(tmp, REFERENCE))
+    for run, model, run_cfg in (("one", folder, cfg), ("one-odd", odd, with_reference)):
+        one[run] = Learner(run_cfg, store, run, model, tmp / f"ckpt-{run}", engine.tokenizer)
         for step_groups in steps[run]:
             one[run].train_step([TrainableGroup(g["group_id"], g["agent"], g["sample_ids"]) for g in step_groups])
     store.close()
@@ -159,7 +162,7 @@ def test_a_sharded_checkpoint_is_a_whole_hugging_face_model(setup):
 
 def test_a_sharded_learner_resumes_with_its_ranks_and_refuses_another_count(setup):
     tmp = setup["tmp"]
-    sharded = ("learner.fsdp=true", "learner.gradient_checkpointing=true")
+    sharded = ("learner.fsdp=true", "learner.gradient_checkpointing=true", REFERENCE)
     _launch(setup, "fsdp-resume", *sharded, limit=1, folder="odd")
     first = _launch(setup, "fsdp-resume", *sharded, resume=True, launcher="accelerate", folder="odd")
     # The resumed run trained only step 2, from the committed step 1 (its AdamW state in uneven shards),
@@ -169,6 +172,13 @@ def test_a_sharded_learner_resumes_with_its_ranks_and_refuses_another_count(setu
     one = Learner(cfg, None, "x", setup["odd"], tmp / "unused")
     with pytest.raises(CheckpointError, match="sharded over 2 ranks, resumed by an unsharded one"):
         load_checkpoint(first, one.models, one.optimizers, one.schedulers)
+    older = tmp / "older-layout"  # a sharded checkpoint whose rank files held only AdamW state
+    shutil.copytree(first, older)
+    meta = json.loads((older / "trainer_state.json").read_text())
+    meta["optimizer_shards"] = meta.pop("rank_shards")
+    (older / "trainer_state.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="older layout"):
+        load_checkpoint(older, one.models, one.optimizers, one.schedulers, rank=0, world_size=2)
 
 
 def test_marsrl_train_with_a_two_rank_learner(tmp_path):

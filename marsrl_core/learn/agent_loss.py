@@ -100,6 +100,8 @@ def backward(
             if reference is not None:
                 with torch.no_grad():
                     ref = reference(packed)[0]
+                if hasattr(reference, "reshard"):  # sharded: FSDP2 reshards a root only after its backward
+                    reference.reshard()
             out = policy_loss(
                 logprobs,
                 behaviour.to(device),

@@ -122,10 +122,9 @@ def save_checkpoint(
             _save_model(model, tmp / name, save_dtype, tensors, name)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / name)
-    for name, opt in optimizers.items():
-        opt_tensors, meta["optimizers"][name] = _optimizer_state(name, opt)
-        if not rank_shards:
-            tensors.update(opt_tensors)
+    for name, opt in optimizers.items():  # a sharded learner's AdamW tensors are in the rank files
+        opt_tensors, meta["optimizers"][name] = _optimizer_state(name, opt, with_tensors=not rank_shards)
+        tensors.update(opt_tensors)
     if rank_shards:
         meta["rank_shards"] = rank_shards
         meta["rank_files"] = [_shard_file(rank) for rank in range(rank_shards)]  # the index: rank -> its file
@@ -146,8 +145,11 @@ def save_checkpoint(
     return final
 
 
-def _optimizer_state(name: str, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer's tensors (this rank's shards of sharded ones) and its JSON part."""
+def _optimizer_state(
+    name: str, opt: torch.optim.Optimizer, with_tensors: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """An optimizer's tensors (this rank's shards of sharded ones; none unless `with_tensors`) and its
+    JSON part."""
     from marsrl_core.learn.distributed import local
 
     state = opt.state_dict()
@@ -155,7 +157,10 @@ def _optimizer_state(name: str, opt: torch.optim.Optimizer) -> tuple[dict[str, t
     for index, entry in state["state"].items():
         for key, value in entry.items():
             if torch.is_tensor(value):
-                tensors[f"opt.{name}.{index}.{key}"] = local(value).detach().cpu().contiguous()  # no copy on the CPU
+                if with_tensors:
+                    tensors[f"opt.{name}.{index}.{key}"] = (
+                        local(value).detach().cpu().contiguous()
+                    )  # no copy on the CPU
             else:
                 scalars.setdefault(str(index), {})[key] = value
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
@@ -248,6 +253,11 @@ def load_checkpoint(
         tensors = read_safetensors(folder / STATE_TENSORS)
     except Exception as err:
         raise CheckpointError(f"checkpoint {str(folder)!r}: trainer state cannot be read ({err})") from None
+    if "optimizer_shards" in meta:
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r}: a sharded checkpoint of an older layout (optimizer shards without "
+            "parameter shards); it cannot be resumed, start the run from its model folder instead"
+        )
     shards = meta.get("rank_shards", 0)
     if shards != (world_size if rank is not None else 0):
         written = f"a learner sharded over {shards} ranks" if shards else "an unsharded learner"

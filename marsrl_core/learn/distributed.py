@@ -62,7 +62,8 @@ def init_ranks(timeout_s: float) -> Ranks | None:
     if _RANKS is None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # with CUDA, CPU tensors (FSDP2's CPU offload) go through gloo beside NCCL
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=FOLLOWER_WAIT_S))
         _RANKS = Ranks(dist.get_rank(), dist.get_world_size(), control)
@@ -111,8 +112,10 @@ def max_over_ranks(value: int) -> int:
     return int(_reduce(torch.tensor([value], dtype=torch.long), dist.ReduceOp.MAX).item())
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def _device(kind: str | None = None) -> torch.device:
+    """Where a collective's tensors go: this rank's GPU when there is one (or `kind` says 'cuda'), else the CPU."""
+    cuda = torch.cuda.is_available() if kind is None else kind == "cuda"
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
 def _reduce(t: torch.Tensor, op) -> torch.Tensor:
@@ -227,32 +230,46 @@ def consolidated_state(
     return state
 
 
-def fill_from_rank0(model: torch.nn.Module, device: torch.device, source: dict[str, torch.Tensor] | None) -> None:
+def fill_from_rank0(
+    model: torch.nn.Module,
+    device: torch.device,
+    source: dict[str, torch.Tensor] | None,
+    buffer_device: torch.device | None = None,
+) -> None:
     """Give a sharded model built on the meta device (`engines.hf.empty_model`, then `shard`) its weights:
     every rank allocates its shards on `device` and receives them from rank 0, which alone holds the whole
     weights (`source`, a state dict on its CPU); each tensor is scattered from rank 0 (`distribute_tensor`)
     in turn, so no rank ever holds more than one whole tensor (accelerate's `cpu_ram_efficient_loading`).
-    Buffers (rotary frequencies, real on the CPU) are kept. A key missing from `source` fails every rank."""
+    Buffers (rotary frequencies, real on the CPU) are kept, on `buffer_device` (default `device`; the
+    compute device when FSDP2's CPU offload keeps the shards on the CPU). A key missing from `source`, or
+    of another shape there, fails every rank."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
     targets = model.state_dict(keep_vars=True)
-    missing = broadcast(sorted(set(targets) - set(source)) if source is not None else None)
-    if missing:
-        raise RuntimeError(f"the model folder lacks {len(missing)} of the model's tensors, e.g. {missing[0]!r}")
+    bad = None
+    if source is not None:
+        bad = [f"{k} (missing)" for k in targets if k not in source]
+        bad += [f"{k} {tuple(source[k].shape)}, expected {tuple(t.shape)}" for k, t in targets.items() if k in source
+                and tuple(source[k].shape) != tuple(t.shape)]  # fmt: skip
+    bad = broadcast(bad)
+    if bad:
+        raise RuntimeError(f"the model folder does not fit the model: {len(bad)} tensors, e.g. {bad[0]}")
     done: set[int] = set()
     with torch.no_grad():
         for name, value in buffers.items():
-            model.get_buffer(name).copy_(value)
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = value.to(buffer_device or device)
         for key, target in targets.items():
             if id(target) in done:  # tied: the same tensor under another key
                 continue
             done.add(id(target))
+            where = _device(target.device_mesh.device_type) if isinstance(target, DTensor) else _device()
             if source is not None:  # rank 0's tensor goes out; the others' is only a buffer of its shape
-                whole = source[key].to(_device(), target.dtype)
+                whole = source[key].to(where, target.dtype)
             else:
-                whole = torch.empty(target.shape, dtype=target.dtype, device=_device())
+                whole = torch.empty(target.shape, dtype=target.dtype, device=where)
             if isinstance(target, DTensor):
                 part = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=0)
                 local(target).copy_(part.to_local())

@@ -167,10 +167,11 @@ class Learner:
         source = None
         if self.ranks.main:
             source = load_model_folder(start_folder, "auto", "cpu").state_dict()
+        distributed.barrier(self.ranks.control)  # the read may outlast `collective_timeout_s`
         placed = torch.device("cpu") if lc.fsdp_cpu_offload else self.device
         for scorer in [*self.scorers.values(), *([self.reference] if self.reference is not None else [])]:
             distributed.shard(scorer, self.device, self.autocast, lc.fsdp_cpu_offload)
-            distributed.fill_from_rank0(scorer.model, placed, source)
+            distributed.fill_from_rank0(scorer.model, placed, source, buffer_device=self.device)
         self.autocast = None
 
     def _scorer(self, model) -> TokenScorer:
