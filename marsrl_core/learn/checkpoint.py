@@ -122,9 +122,10 @@ def save_checkpoint(
             _save_model(model, tmp / name, save_dtype, tensors, name)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / name)
-    for name, opt in optimizers.items():  # a sharded learner's AdamW tensors are in the rank files
-        opt_tensors, meta["optimizers"][name] = _optimizer_state(name, opt, with_tensors=not rank_shards)
-        tensors.update(opt_tensors)
+    for name, opt in optimizers.items():
+        meta["optimizers"][name] = _optimizer_meta(opt)
+        if not rank_shards:  # a sharded learner's AdamW tensors are in the rank files
+            tensors.update(_optimizer_tensors(name, opt))
     if rank_shards:
         meta["rank_shards"] = rank_shards
         meta["rank_files"] = [_shard_file(rank) for rank in range(rank_shards)]  # the index: rank -> its file
@@ -145,25 +146,27 @@ def save_checkpoint(
     return final
 
 
-def _optimizer_state(
-    name: str, opt: torch.optim.Optimizer, with_tensors: bool = True
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An optimizer's tensors (this rank's shards of sharded ones; none unless `with_tensors`) and its
-    JSON part."""
+def _optimizer_tensors(name: str, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """An optimizer's tensors (this rank's shards of sharded ones)."""
     from marsrl_core.learn.distributed import local
 
+    return {
+        f"opt.{name}.{index}.{key}": local(value).detach().cpu().contiguous()  # no copy on the CPU
+        for index, entry in opt.state_dict()["state"].items()
+        for key, value in entry.items()
+        if torch.is_tensor(value)
+    }
+
+
+def _optimizer_meta(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's JSON part: its hyper-parameters and its state's numbers."""
     state = opt.state_dict()
-    tensors, scalars = {}, {}
+    scalars: dict[str, dict[str, Any]] = {}
     for index, entry in state["state"].items():
         for key, value in entry.items():
-            if torch.is_tensor(value):
-                if with_tensors:
-                    tensors[f"opt.{name}.{index}.{key}"] = (
-                        local(value).detach().cpu().contiguous()
-                    )  # no copy on the CPU
-            else:
+            if not torch.is_tensor(value):
                 scalars.setdefault(str(index), {})[key] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+    return {"param_groups": state["param_groups"], "scalars": scalars}
 
 
 def _shard_folder(root: Path, version: int) -> Path:
@@ -187,7 +190,7 @@ def save_rank_shard(
         for key, param in model.named_parameters():  # tied parameters once
             tensors[f"param.{name}.{key}"] = local(param).detach().cpu().contiguous()
     for name, opt in optimizers.items():
-        tensors.update(_optimizer_state(name, opt)[0])
+        tensors.update(_optimizer_tensors(name, opt))
     folder = _shard_folder(root, version)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / _shard_file(rank)))
@@ -273,18 +276,13 @@ def load_checkpoint(
             raise CheckpointError(f"checkpoint {str(folder)!r}: rank {rank}'s shard cannot be read ({err})") from None
     for name, model in models.items():
         if shards:
-            _load_shards(
-                model,
-                {k[len(f"param.{name}.") :]: v for k, v in tensors.items() if k.startswith(f"param.{name}.")},
-                folder,
-            )
+            _load_shards(model, _prefixed(tensors, f"param.{name}."), folder)
             continue
         try:
             state = load_safetensors_state(folder / name)
         except Exception as err:
             raise CheckpointError(f"checkpoint {str(folder / name)!r}: {err}") from None
-        masters = {k[len(f"master.{name}.") :]: v for k, v in tensors.items() if k.startswith(f"master.{name}.")}
-        _load_weights(model, state | masters)
+        _load_weights(model, state | _prefixed(tensors, f"master.{name}."))
     for name, opt in optimizers.items():
         saved = meta["optimizers"][name]
         state: dict[int, dict[str, Any]] = {}
@@ -300,6 +298,11 @@ def load_checkpoint(
     torch.set_rng_state(tensors["rng.torch"])
     random.setstate(_tupled(meta["python_rng"]))
     return int(meta["step"])
+
+
+def _prefixed(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors whose names start with `prefix`, under the rest of their names."""
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
 def _load_weights(model: Any, state: dict[str, torch.Tensor]) -> None:

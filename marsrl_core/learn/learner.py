@@ -43,7 +43,6 @@ import torch
 
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.devices import (
-    attn_implementation,
     compute_dtype,
     master_dtype,
     peak_memory_gb,
@@ -64,6 +63,7 @@ from marsrl_core.learn.checkpoint import (
     save_rank_shard,
     version_folder,
 )
+from marsrl_core.learn.models import load_model, shard_and_fill
 from marsrl_core.learn.scoring import TokenScorer
 from marsrl_core.runtime.faults import crash_point
 from marsrl_core.store import SegmentStore, TrainableGroup
@@ -91,20 +91,6 @@ class StepReport:
     skipped_nonfinite: bool = False
 
 
-def _load_model(folder: Path, cfg: MarsRLConfig, dtype: torch.dtype, device: torch.device, empty: bool = False):
-    """The model of `folder` in `dtype` on `device`, ready to train; `empty`: its parameters on the meta
-    device, for a sharded learner to shard before they exist (`distributed.fill_from_rank0`)."""
-    from marsrl_core.engines.hf import empty_model, load_model_folder
-
-    attn = attn_implementation(cfg.model.attn_implementation, device)
-    model = empty_model(folder, dtype, attn) if empty else load_model_folder(folder, dtype, device, attn)
-    if cfg.learner.gradient_checkpointing:
-        # non-reentrant: the form torch recommends, and the one FSDP2's hooks see through
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    return model.train()
-
-
 class Learner:
     def __init__(
         self,
@@ -127,14 +113,16 @@ class Learner:
         self.temperature = cfg.rollout.temperature or 1.0
         self.sharded = ranks is not None and lc.fsdp
         names = policy_names(per_agent=lc.policies == "per_agent")
-        load = lambda dtype: _load_model(start_folder, cfg, dtype, self.device, empty=self.sharded)
+        load = lambda dtype: load_model(start_folder, cfg, dtype, self.device, empty=self.sharded)
         self.models = {name: load(master_dtype(cfg)) for name in names}
         self.scorers = {name: self._scorer(m) for name, m in self.models.items()}
         self.reference = None
         if lc.beta > 0:  # frozen, so no fp32 master copy
             self.reference = self._scorer(load(getattr(torch, cfg.model.dtype)).eval().requires_grad_(False))
         if self.sharded:  # FSDP2 computes in bf16 itself (MixedPrecisionPolicy), so no autocast on top
-            self._shard(start_folder)
+            frozen = [self.reference] if self.reference is not None else []
+            shard_and_fill([*self.scorers.values(), *frozen], start_folder, cfg, self.device, self.autocast, ranks)
+            self.autocast = None
         self.optimizers = {  # after sharding: each rank's AdamW holds the state of its own shards
             # fused: one kernel over all parameters, without the parameter-sized temporaries of `foreach`
             name: torch.optim.AdamW(m.parameters(), lr=lc.learning_rate, weight_decay=lc.weight_decay, fused=True)
@@ -157,22 +145,6 @@ class Learner:
         }
         self.step = 0
         self.logged_version = 0  # newest version logged to MLflow
-
-    def _shard(self, start_folder: Path) -> None:
-        """Shard the empty models (FSDP2), then fill them: rank 0 alone reads the starting folder (as
-        stored, on its CPU) and scatters each tensor; every rank keeps only its shards."""
-        from marsrl_core.engines.hf import load_model_folder
-
-        lc = self.cfg.learner
-        source = None
-        if self.ranks.main:
-            source = load_model_folder(start_folder, "auto", "cpu").state_dict()
-        distributed.barrier(self.ranks.control)  # the read may outlast `collective_timeout_s`
-        placed = torch.device("cpu") if lc.fsdp_cpu_offload else self.device
-        for scorer in [*self.scorers.values(), *([self.reference] if self.reference is not None else [])]:
-            distributed.shard(scorer, self.device, self.autocast, lc.fsdp_cpu_offload)
-            distributed.fill_from_rank0(scorer.model, placed, source, buffer_device=self.device)
-        self.autocast = None
 
     def _scorer(self, model) -> TokenScorer:
         return TokenScorer(model, self.cfg.learner.logprob_chunk_tokens, self.temperature)
