@@ -2,7 +2,9 @@
 data files before/after compaction. Run: `python benchmarks/store_bench.py`.
 
 Writes benchmarks/results/store.json with bulk_tokens_per_s, rowwise_tokens_per_s,
-list_trainable_ms_100k, files_before_compaction, files_after_compaction.
+list_trainable_ms_100k, stage_append_ms_100k (a rollout stage's append: 16 new samples with a segment
+and a reward each), append_key_check_ms_100k (the part of it that looks for stored keys),
+files_before_compaction, files_after_compaction.
 """
 
 from __future__ import annotations
@@ -89,6 +91,23 @@ def main() -> None:
         samples_total = store.count("samples", RUN)
         assert len(groups) == 64
 
+        # A rollout stage's append at that size, and its key check (`append` writes no stored key twice).
+        append_ms, check_ms = [], []
+        for k in range(7):
+            samples, segments = samples_and_segments(f"S{k}-", 16, 32, 8, rng)
+            rewards = [RewardRow(s.sample_id, 1.0, True) for s in samples]
+            keys = {
+                "samples": [s.sample_id for s in samples],
+                "segments": [f"{s.sample_id}#0" for s in samples],
+                "rewards": [s.sample_id for s in samples],
+            }
+            start = time.perf_counter()
+            store._transaction(lambda con, keys=keys: store._stored_keys(con, RUN, keys))
+            check_ms.append((time.perf_counter() - start) * 1000)
+            start = time.perf_counter()
+            assert store.append(RUN, samples=samples, segments=segments, rewards=rewards).written
+            append_ms.append((time.perf_counter() - start) * 1000)
+
         # Many small appends, then compaction.
         for k in range(30):
             samples, segments = samples_and_segments(f"c{k}-", 16, 32, 8, rng)
@@ -104,6 +123,8 @@ def main() -> None:
             ["row-by-row tokens/s (bound list params)", row_tps],
             ["bulk / row-by-row", bulk_tps / row_tps],
             [f"list trainable groups, {samples_total:,} samples (median ms)", list_ms],
+            ["a stage's append at that size (median ms)", statistics.median(append_ms)],
+            ["  of which the stored-key check (median ms)", statistics.median(check_ms)],
             ["data files before compaction", compaction["files_before"]],
             ["data files after compaction", compaction["files_after"]],
         ],
@@ -116,6 +137,8 @@ def main() -> None:
             "bulk_over_rowwise": bulk_tps / row_tps,
             "list_trainable_ms_100k": list_ms,
             "samples_stored": samples_total,
+            "stage_append_ms_100k": statistics.median(append_ms),
+            "append_key_check_ms_100k": statistics.median(check_ms),
             "files_before_compaction": compaction["files_before"],
             "files_after_compaction": compaction["files_after"],
         },

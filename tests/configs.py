@@ -19,6 +19,13 @@ def _under(tmp_path) -> dict[str, str]:
     }
 
 
+def assert_exactly_once(store, run_id: str) -> None:
+    """Every exactly-once invariant of the run holds (`marsrl check`): nothing stored, rewarded or
+    consumed twice, no segment missing."""
+    broken = {name: count for name, count in store.invariants(run_id).items() if count}
+    assert not broken, f"run {run_id}: broken store invariants {broken}"
+
+
 def set_args(tmp_path, **extra) -> list[str]:
     """`--set` options for a `marsrl` command: store and outputs under `tmp_path`, then `extra` (dotted keys)."""
     overrides = {key: value for key, value in _under(tmp_path).items() if not key.startswith("tracking.")}

@@ -2,6 +2,9 @@
 
 writer CATALOG DATA RUN SECONDS   append samples + segments + rewards; print the running totals
 reader CATALOG DATA RUN SECONDS   read the views and commit consumptions of trainable groups
+stager CATALOG DATA RUN SECONDS   append one small stage at a time (a few rows, as a rollout stage writes)
+counter CATALOG DATA RUN SECONDS  count the rows of the appended tables again and again; print how often a
+                                  count went down (rows already read that a later read missed)
 killme CATALOG DATA RUN           append big batches forever, announcing each one on stdout
 open CATALOG DATA RUN AT          open the store (creating it if new) at time AT, print a row count
 """
@@ -62,6 +65,37 @@ def reader(store: SegmentStore, run: str, seconds: float) -> None:
         print(json.dumps({"consumed": consumed, "steps": step, "lock_retries": store.lock_retries}), flush=True)
 
 
+def stager(store: SegmentStore, run: str, seconds: float) -> None:
+    rng = np.random.default_rng(2)
+    k = 0
+    end = time.time() + seconds
+    while time.time() < end:
+        sid = f"st{k}"
+        tokens = rng.integers(0, 100, 16)
+        store.append(
+            run,
+            [SampleRow(sid, f"p{k}", "verifier", 1, f"g{k}", 1, [1, 2])],
+            [SegmentRow(sid, 0, tokens, -rng.random(16).astype(np.float32), 0, "stop")],
+            [RewardRow(sid, 1.0, True)],
+        )
+        k += 1
+    print(json.dumps({"stages": k}), flush=True)
+
+
+def counter(store: SegmentStore, run: str, seconds: float) -> None:
+    last = dict.fromkeys(("samples", "segments", "rewards"), 0)
+    decreases, reads = [], 0
+    end = time.time() + seconds
+    while time.time() < end:
+        for table in last:
+            n = store.count(table, run)
+            if n < last[table]:
+                decreases.append(f"{table} {last[table]} -> {n}")
+            last[table] = max(n, last[table])
+            reads += 1
+    print(json.dumps({"reads": reads, "decreases": decreases}), flush=True)
+
+
 def killme(store: SegmentStore, run: str) -> None:
     rng = np.random.default_rng(1)
     k = 0
@@ -85,5 +119,9 @@ if __name__ == "__main__":
         writer(s, run, float(sys.argv[5]))
     elif role == "reader":
         reader(s, run, float(sys.argv[5]))
+    elif role == "stager":
+        stager(s, run, float(sys.argv[5]))
+    elif role == "counter":
+        counter(s, run, float(sys.argv[5]))
     else:
         killme(s, run)

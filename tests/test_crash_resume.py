@@ -24,7 +24,7 @@ import pytest
 
 from marsrl_core.learn.checkpoint import load_checkpoint
 from marsrl_core.store import SegmentStore
-from tests.configs import process_config_file
+from tests.configs import assert_exactly_once, process_config_file
 
 MAX_STEPS = 12
 KILLS = 12
@@ -125,8 +125,7 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
 
     assert seen <= _stored(store_paths)[2]
     store = SegmentStore(*store_paths, create=False)
-    twice = store.query("SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)")
-    assert twice.column("n")[0].as_py() == 0
+    assert_exactly_once(store, "crashy")
     versions = store.query(
         "SELECT version, checkpoint_uri FROM policy_versions WHERE run_id = 'crashy' ORDER BY version"
     ).to_pylist()
@@ -235,6 +234,7 @@ def test_sigterm_stops_train_at_the_next_stage_and_a_resume_continues_the_unfini
     store = SegmentStore(*store_paths, create=False)
     try:
         assert all(store.has_event("stopped", f"batch_done:{b}") for b in range(2))
+        assert_exactly_once(store, "stopped")
     finally:
         store.close()
 
@@ -268,8 +268,7 @@ def test_train_goes_on_when_its_store_process_dies_again_and_again(tmp_path):
     try:
         versions = store.query("SELECT version FROM policy_versions WHERE run_id = 'flaky' ORDER BY 1")
         assert versions.column("version").to_pylist() == list(range(1, steps + 1))
-        twice = "SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)"
-        assert store.query(twice).column("n")[0].as_py() == 0
+        assert_exactly_once(store, "flaky")
         assert store.evaluation("flaky", "before") is not None and store.evaluation("flaky", "after") is not None
     finally:
         store.close()

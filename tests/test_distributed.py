@@ -30,7 +30,7 @@ from marsrl_core.learn.checkpoint import CheckpointError, load_checkpoint
 from marsrl_core.learn.learner import Learner
 from marsrl_core.learn.scoring import PackedBatch, TokenScorer
 from marsrl_core.store import SegmentStore
-from tests.configs import process_config_file
+from tests.configs import assert_exactly_once, process_config_file
 from tests.rollout_helpers import digit_fraction, sample_groups
 
 pytestmark = pytest.mark.slow
@@ -206,8 +206,7 @@ def test_marsrl_train_with_a_two_rank_learner(tmp_path):
         version, uri = store.latest_version("ranks")
         assert version == 3
         assert store.evaluation("ranks", "before") is not None and store.evaluation("ranks", "after") is not None
-        twice = "SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)"
-        assert store.query(twice).column("n")[0].as_py() == 0
+        assert_exactly_once(store, "ranks")
     finally:
         store.close()
     HFEngine.from_pretrained(Path(uri) / "policy")  # the consolidated checkpoint of the sharded learner
@@ -248,8 +247,7 @@ def test_a_rank_killed_mid_step_takes_the_learner_down_and_the_run_resumes(tmp_p
         assert store.latest_version("kill")[0] == 3
         versions = store.query("SELECT version FROM policy_versions WHERE run_id = 'kill' ORDER BY 1")
         assert versions.column("version").to_pylist() == [1, 2, 3]  # step 2 committed once, by the resumed run
-        twice = "SELECT count(*) AS n FROM (SELECT sample_id FROM consumptions GROUP BY 1 HAVING count(*) > 1)"
-        assert store.query(twice).column("n")[0].as_py() == 0
+        assert_exactly_once(store, "kill")
     finally:
         store.close()
 

@@ -318,3 +318,40 @@ def test_a_scheduler_asks_its_policy_source_before_each_stage(tmp_path):
     sched.stage()
     assert asked == [0, 0, 1]
     assert loaded == [(1, "w1")] and engine.policy_version == 1
+
+
+def test_a_turn_behind_the_store_stores_nothing_twice_and_its_retry_resumes(tmp_path, tiny):
+    """The fault behind segments stored twice: a turn resumes from a read that missed a segment it had
+    stored (a finished Solver sample looks one segment short). Its first stage decodes that segment
+    again; the store finds the keys stored and writes nothing of the stage; the turn raises, and its
+    retry resumes from the store and finishes with every invariant intact."""
+    from marsrl_core.rollout.samples import RolloutBehindStore
+    from tests.configs import assert_exactly_once
+
+    cfg = _cfg(tmp_path, max_turns=2, segment_tokens=3, solver_max_tokens=12, verifier_max_tokens=9)
+    store = SegmentStore.from_config(cfg.store)
+    engine = HFEngine.from_pretrained(tiny[0])
+    engine.eos_id = -1  # every sample runs to its budget: 4 Solver segments, 3 Verifier segments
+    problems = {p.problem_id: p for p in _problems(2)}
+    _scheduler(cfg, store, engine, list(problems.values())).run_turn(0)
+    stored = {table: store.count(table, RUN) for table in ("samples", "segments", "rewards")}
+
+    behind = _scheduler(cfg, store, engine, [])
+    behind.resume(problems)
+    solver = behind.states["p0"].turns[0][0]
+    assert solver.finish == "budget" and solver.segments == 4
+    solver.token_ids, solver.versions = solver.token_ids[:9], solver.versions[:9]  # the missed read
+    solver.segments, solver.finish, solver.judgement = 3, None, None
+    with pytest.raises(RolloutBehindStore, match=rf"segments {solver.sample_id}#3"):
+        behind.run_turn(1)
+    assert {table: store.count(table, RUN) for table in stored} == stored  # nothing of that stage written
+
+    retry = _scheduler(cfg, store, engine, [])
+    retry.resume(problems)
+    retry.run_turn(1)
+    assert_exactly_once(store, RUN)
+    per_sample = store.query(
+        "SELECT s.agent, count(*) AS n FROM segments g JOIN samples s USING (sample_id) GROUP BY s.agent, g.sample_id"
+    ).to_pylist()
+    assert {(r["agent"], r["n"]) for r in per_sample} == {("solver", 4), ("verifier", 3)}
+    assert store.count("rewards", RUN) == store.count("samples", RUN) > stored["rewards"]

@@ -289,3 +289,36 @@ def test_sample_ids_are_known_per_run(store):
     ids = _group(store, "g")
     with pytest.raises(StoreError, match="unknown sample id.*'other-run'"):
         store.append("other-run", segments=[SegmentRow(ids[0], 0, [1], [-0.1], 0, "stop")])
+
+
+def test_an_append_whose_keys_are_stored_writes_nothing_and_says_so(store):
+    run = "keyed"
+    store.create_run(run, {})
+    first = store.append(
+        run,
+        [SampleRow("s1", "p", "verifier", 1, "g", 2, [1]), SampleRow("s2", "p", "verifier", 1, "g", 2, [1])],
+        [SegmentRow("s1", 0, [3, 4], [-0.1, -0.2], 0, "length"), SegmentRow("s2", 0, [5], [-0.3], 0, "stop")],
+        [RewardRow("s2", 1.0)],
+    )
+    assert first.written and first.already_stored == {}
+    counts = {table: store.count(table, run) for table in ("samples", "segments", "rewards")}
+    again = store.append(run, [], [SegmentRow("s1", 0, [3, 4], [-0.1, -0.2], 1, "length")])
+    assert not again.written and again.already_stored == {"segments": ["s1#0"]}
+    # A stage mixing new rows with stored ones writes none of them: its state was behind the store.
+    mixed = store.append(
+        run,
+        [SampleRow("s3", "p", "corrector", 2, "g3", 1, [1])],
+        [SegmentRow("s1", 1, [6], [-0.4], 1, "stop"), SegmentRow("s2", 0, [5], [-0.3], 1, "stop")],
+        [RewardRow("s1", 0.0), RewardRow("s2", 1.0)],
+    )
+    assert not mixed.written
+    assert mixed.already_stored == {"segments": ["s2#0"], "rewards": ["s2"]}
+    assert "segments s2#0; rewards s2" == mixed.describe()
+    assert {table: store.count(table, run) for table in counts} == counts
+    assert not store.append(run, [SampleRow("s1", "p", "verifier", 1, "g", 2, [1])]).written
+    with pytest.raises(StoreError, match="segments key.*given twice in one call: s1#1"):
+        store.append(run, [], [SegmentRow("s1", 1, [6], [-0.4], 1, "stop")] * 2)
+    # The rows that were not stored yet go in once the stage is decoded afresh.
+    assert store.append(run, [], [SegmentRow("s1", 1, [6], [-0.4], 1, "stop")], [RewardRow("s1", 0.0)]).written
+    assert store.invariants(run) == dict.fromkeys(store.invariants(run), 0)
+    assert store.count("segments", run) == 3 and store.count("rewards", run) == 2

@@ -19,6 +19,12 @@ class RolloutInterrupted(Exception):
     stored and a resume continues them."""
 
 
+class RolloutBehindStore(Exception):
+    """A stage's rows were not stored because some of its keys already were: the turn's state lacked
+    something the store holds (it decoded a stored segment again). Nothing of the stage was written;
+    a retry of the turn resumes from the store."""
+
+
 def agent_of_turn(turn: int) -> str:
     return SOLVER if turn == 0 else (VERIFIER if turn % 2 == 1 else CORRECTOR)
 

@@ -25,7 +25,9 @@ it (is the last solution right?); when a turn feeds several trajectories, the me
 `RolloutScheduler.resume()` rebuilds the state from the store after a crash: finished samples keep
 their rewards, unfinished ones continue from their stored prefix, nothing stored is decoded again.
 An interrupted turn (`interrupted()` says so before a stage) therefore stops at the stage boundary and
-raises `RolloutInterrupted`: what it decoded is stored, and a resume continues from there.
+raises `RolloutInterrupted`: what it decoded is stored, and a resume continues from there. A stage
+whose rows the store holds already (its state was behind the store) writes nothing and raises
+`RolloutBehindStore`; the retried turn resumes from the store, so nothing is stored twice.
 
 Deliberate simplifications: a downstream turn waits for all groups of the previous turn of the same
 problem (not just one group); prompts that do not fit the engine's context with their budget are
@@ -50,6 +52,7 @@ from marsrl_core.rollout.offers import PolicyOffers
 from marsrl_core.rollout.resume import restore
 from marsrl_core.rollout.samples import (
     ProblemState,
+    RolloutBehindStore,
     RolloutInterrupted,
     Sample,
     StageReport,
@@ -270,7 +273,12 @@ class RolloutScheduler:
                 created += self._advance(state, rejected, rewards)
         report.new_samples = len(created)
         crash_point("rollout.append")
-        self.store.append(self.run_id, [self._sample_row(s) for s in created], segments, rewards)
+        stored = self.store.append(self.run_id, [self._sample_row(s) for s in created], segments, rewards)
+        if not stored.written:
+            raise RolloutBehindStore(
+                f"run {self.run_id!r}: a stage found rows it decoded stored already ({stored.describe()}); "
+                "nothing of it was written, and a retry of the turn resumes from the store"
+            )
         if rejected:
             self.store.reject(self.run_id, rejected)
         return report

@@ -4,6 +4,7 @@ from marsrl_core.store.connection import CATALOG
 from marsrl_core.store.protocol import Store
 from marsrl_core.store.rows import (
     DROPPED_STALE,
+    AppendResult,
     Rejection,
     RewardRow,
     SampleRow,
@@ -15,6 +16,7 @@ from marsrl_core.store.rows import (
 from marsrl_core.store.segment_store import SegmentStore
 
 __all__ = [
+    "AppendResult",
     "CATALOG",
     "DROPPED_STALE",
     "Rejection",

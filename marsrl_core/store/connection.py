@@ -137,7 +137,10 @@ class StoreConnection:
             con.execute(f"CREATE OR REPLACE SECRET marsrl_s3 (TYPE s3, {', '.join(options)})")
         data_path = self.data_path if "://" in self.data_path else str(Path(self.data_path).resolve()) + "/"
         try:
-            options = f"DATA_PATH '{data_path}'" + (", READ_ONLY" if self.read_only else "")
+            # Nothing is inlined in the catalog: every commit writes Parquet. With inlining, DuckLake
+            # 1.5.5's `ducklake_flush_inlined_data` (compaction) hides rows from readers in other
+            # processes for a moment: a rollout turn that resumed then decoded a stored segment again.
+            options = f"DATA_PATH '{data_path}', DATA_INLINING_ROW_LIMIT 0" + (", READ_ONLY" if self.read_only else "")
             con.execute(f"ATTACH 'ducklake:{self.catalog_url}' AS {CATALOG} ({options})")
         except duckdb.Error as err:
             raise StoreError(f"catalog_url={self.catalog_url!r}: cannot attach DuckLake catalog ({err})") from None

@@ -11,7 +11,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import pyarrow as pa
 
-from marsrl_core.store.rows import Rejection, RewardRow, SampleRow, SegmentRow, StoredSample, TrainableGroup
+from marsrl_core.store.rows import (
+    AppendResult,
+    Rejection,
+    RewardRow,
+    SampleRow,
+    SegmentRow,
+    StoredSample,
+    TrainableGroup,
+)
 
 
 @runtime_checkable
@@ -34,7 +42,7 @@ class Store(Protocol):
         samples: Sequence[SampleRow] = (),
         segments: Sequence[SegmentRow] = (),
         rewards: Sequence[RewardRow] = (),
-    ) -> None: ...
+    ) -> AppendResult: ...
     def commit_step(
         self,
         run_id: str,
@@ -64,6 +72,7 @@ class Store(Protocol):
     def latest_version(self, run_id: str) -> tuple[int, str] | None: ...
     def query(self, sql: str, params: Sequence[Any] = ()) -> pa.Table: ...
     def count(self, table: str, run_id: str | None = None) -> int: ...
+    def invariants(self, run_id: str) -> dict[str, int]: ...
 
     # maintenance
     def data_file_count(self) -> int: ...

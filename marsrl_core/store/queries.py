@@ -2,7 +2,8 @@
 
 - `trainable_groups(...)` lists complete, unconsumed same-input groups for an agent (or, in one
   query, for several: `trainable_groups_by_agent`);
-- `load_samples(...)` rebuilds sample token sequences and behaviour log-probs from their segments.
+- `load_samples(...)` rebuilds sample token sequences and behaviour log-probs from their segments;
+- `invariants(run_id)` counts what breaks the exactly-once rules (`invariants.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from marsrl_core.store.connection import CATALOG, StoreConnection
+from marsrl_core.store.invariants import invariants_sql
 from marsrl_core.store.rows import StoredSample, StoreError, TrainableGroup, key_table
 from marsrl_core.store.schema import ARROW_SCHEMAS
 
@@ -196,6 +198,11 @@ class StoreQueries(StoreConnection):
             [run_id],
         ).to_pylist()
         return (rows[0]["version"], rows[0]["checkpoint_uri"]) if rows else None
+
+    def invariants(self, run_id: str) -> dict[str, int]:
+        """The run's exactly-once invariants (`store/invariants.py`): offending keys per invariant, all 0
+        in a healthy run."""
+        return {k: int(v) for k, v in self._read(invariants_sql(CATALOG), [run_id]).to_pylist()[0].items()}
 
     def count(self, table: str, run_id: str | None = None) -> int:
         if table not in ARROW_SCHEMAS:

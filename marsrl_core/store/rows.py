@@ -46,6 +46,23 @@ class SegmentRow:
     finish_reason: str  # "stop" (EOS / stop string), "length" (segment full, continues), "budget" (truncated)
 
 
+@dataclass(frozen=True)
+class AppendResult:
+    """What `append` did: wrote every row (`written`), or, when any of its keys was stored already,
+    nothing at all; `already_stored` then names those keys per table (`sample_id`, or
+    `sample_id#segment_index` for segments)."""
+
+    written: bool = True
+    already_stored: dict[str, list[str]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: which keys were found stored (the first few of each table)."""
+        return "; ".join(
+            f"{table} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+            for table, keys in self.already_stored.items()
+        )
+
+
 @dataclass
 class RewardRow:
     """A sample finished: its reward and what was parsed from it."""

@@ -1,6 +1,9 @@
 """The store's writes: append-only rows, each call one transaction.
 
-- `append(...)` writes samples, segments and rewards of one rollout stage in one transaction;
+- `append(...)` writes samples, segments and rewards of one rollout stage in one transaction, keyed:
+  a sample id, a segment `(sample_id, segment_index)` or a sample's reward that is stored already is
+  never stored again. When any key of the call is found stored the call writes nothing and says so
+  (`AppendResult`): its caller's state is behind the store and must be rebuilt from it;
 - `commit_step(...)` records a learner step's consumptions, its policy version and its metrics in one
   transaction (exactly-once: a sample consumed by a committed step is never listed again; a step that
   never committed leaves its samples trainable). Samples the learner dropped as too stale are
@@ -10,8 +13,10 @@
 Appends never conflict logically, so a retried commit always converges. `replay(...)` runs a write
 again whose store process died during it (`store/process.py`): a write is one transaction and no other
 call writes the rows it is keyed on, so its first row found stored means all of it committed, and it
-is not written twice. Deliberate simplification: unknown-sample checks use a bounded in-process cache
-and fall back to one query.
+is not written twice. Deliberate simplifications: unknown-sample checks use a bounded in-process cache
+and fall back to one query; the key check of `append` sees what is committed when it runs, so two
+processes appending the same new key at the same moment would both write it (one sample is decoded by
+one rollout turn at a time).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import pyarrow as pa
 from marsrl_core.store.connection import CATALOG, StoreConnection
 from marsrl_core.store.rows import (
     DROPPED_STALE,
+    AppendResult,
     Rejection,
     RewardRow,
     SampleRow,
@@ -116,12 +122,22 @@ class StoreWrites(StoreConnection):
         samples: Sequence[SampleRow] = (),
         segments: Sequence[SegmentRow] = (),
         rewards: Sequence[RewardRow] = (),
-    ) -> None:
-        """Append one stage's new samples, decoded segments and rewards in a single transaction."""
+    ) -> AppendResult:
+        """Append one stage's new samples, decoded segments and rewards in a single transaction, unless
+        any of their keys is stored already: then nothing is written and the result names those keys."""
+        keys = {
+            "samples": [s.sample_id for s in samples],
+            "segments": [f"{s.sample_id}#{s.segment_index}" for s in segments],
+            "rewards": [r.sample_id for r in rewards],
+        }
+        for table, values in keys.items():
+            if len(set(values)) != len(values):
+                twice = sorted({v for v in values if values.count(v) > 1})
+                raise StoreError(f"append: {table} key(s) given twice in one call: {', '.join(twice[:5])}")
         batches = {}
         if samples:
             batches["samples"] = samples_batch(run_id, samples)
-        new_ids = {s.sample_id for s in samples}
+        new_ids = set(keys["samples"])
         referenced = {s.sample_id for s in segments} | {r.sample_id for r in rewards}
         self._check_known(run_id, referenced - new_ids)
         if segments:
@@ -129,14 +145,46 @@ class StoreWrites(StoreConnection):
         if rewards:
             batches["rewards"] = rewards_batch(run_id, rewards)
         if not batches:
-            return
+            return AppendResult()
 
-        def body(con: duckdb.DuckDBPyConnection) -> None:
-            for table, batch in batches.items():
-                self._insert(con, table, batch)
+        def body(con: duckdb.DuckDBPyConnection) -> dict[str, list[str]]:
+            stored = self._stored_keys(con, run_id, keys)
+            if not stored:
+                for table, batch in batches.items():
+                    self._insert(con, table, batch)
+            return stored
 
-        self._transaction(body)
+        stored = self._transaction(body)
+        if stored:
+            return AppendResult(written=False, already_stored=stored)
         self._remember(run_id, new_ids)
+        return AppendResult()
+
+    @staticmethod
+    def _stored_keys(con: duckdb.DuckDBPyConnection, run_id: str, keys: dict[str, list[str]]) -> dict[str, list[str]]:
+        """Those of `keys` (table -> keys, as `append` builds them) that the store holds already."""
+        found: dict[str, list[str]] = {}
+        for table, values in keys.items():
+            if not values:
+                continue
+            if table == "segments":
+                ids, indices = zip(*(v.rsplit("#", 1) for v in values))
+                given = pa.table({"sample_id": list(ids), "segment_index": pa.array(map(int, indices), pa.int32())})
+                columns, label = "sample_id, segment_index", "sample_id || '#' || segment_index"
+            else:
+                given, columns, label = key_table("sample_id", values), "sample_id", "sample_id"
+            con.register("_keys", given)
+            try:
+                rows = con.execute(
+                    f"SELECT DISTINCT {label} AS k FROM {CATALOG}.{table} JOIN _keys USING ({columns}) "
+                    "WHERE run_id = ? ORDER BY k",
+                    [run_id],
+                ).fetchall()
+            finally:
+                con.unregister("_keys")
+            if rows:
+                found[table] = [k for (k,) in rows]
+        return found
 
     def commit_step(
         self,
@@ -230,7 +278,9 @@ class StoreWrites(StoreConnection):
             table, where, params = key
             sql = f"SELECT count(*) AS n FROM {CATALOG}.{table} WHERE run_id = ? AND {where}"
             if self._read(sql, [given["run_id"], *params]).column("n")[0].as_py():  # it had committed
-                return len(given["problems"]) if method == "add_problems" else None
+                if method == "add_problems":
+                    return len(given["problems"])
+                return AppendResult() if method == "append" else None
         return getattr(self, method)(*args, **kwargs)
 
     @staticmethod
