@@ -71,6 +71,7 @@ USAGE = {
         "marsrl config --preset paper --set learner.max_steps=500 > run.yaml",
     ),
     "compact": (["store.catalog_url", "store.compaction_retention_minutes"], "marsrl compact --config run.yaml"),
+    "check": (["store.catalog_url", "store.data_path"], "marsrl check marsrl-1a2b3c4d"),
 }
 
 
@@ -105,9 +106,10 @@ def cmd_sql(args: argparse.Namespace) -> int:
     store = SegmentStore.from_config(locate(_config(args).store), create=False, read_only=True)
     if args.query:
         try:
-            print_table(store.query(args.query))
+            result = store.query(args.query)
         except duckdb.Error as err:  # a malformed query, an unknown table: one line, not a traceback
             raise StoreError(f"query: {str(err).splitlines()[0]}") from None
+        _print_result(result, args.format)
         return 0
     enable_line_editing()
     console.print(banner(store), soft_wrap=True, highlight=False)
@@ -119,9 +121,48 @@ def cmd_sql(args: argparse.Namespace) -> int:
         if not text:
             continue
         try:
-            print_table(store.query(text))
+            _print_result(store.query(text), args.format)
         except Exception as err:  # an interactive console reports and goes on
             console.print(f"[red]error:[/red] {str(err).splitlines()[0]}")
+
+
+def _print_result(result, fmt: str) -> None:
+    from marsrl_core.store.console import render
+
+    if fmt == "table":
+        print_table(result)
+    else:
+        sys.stdout.write(render(result, fmt))
+        sys.stdout.flush()
+
+
+def _sql_arguments(command: argparse.ArgumentParser) -> None:
+    from marsrl_core.store.console import FORMATS
+
+    command.add_argument("query", nargs="?", help="SQL to run; without it an interactive prompt opens.")
+    command.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="table",
+        help="How results print: a table (at most 200 rows shown), or every row as CSV, JSON (an array of "
+        "objects) or Markdown, to pipe somewhere.",
+    )
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Each exactly-once invariant of the run, one line each with its count; 1 if any count is not 0."""
+    from marsrl_core.store import SegmentStore, StoreError
+    from marsrl_core.store.console import locate
+    from marsrl_core.store.invariants import INVARIANTS
+
+    store = SegmentStore.from_config(locate(_config(args).store), create=False, read_only=True)
+    if store.run_config(args.run) is None:
+        raise StoreError(f"run {args.run!r}: no such run in the store {store.catalog_url!r}")
+    counts = store.invariants(args.run)
+    for name, count in counts.items():
+        mark = "ok    " if count == 0 else "BROKEN"
+        console.print(f"{mark} {name:<26} {count:>6}  {INVARIANTS[name][0]}", highlight=False, soft_wrap=True)
+    return 1 if any(counts.values()) else 0
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
@@ -174,9 +215,11 @@ def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentP
         "config": (cmd_config, "Print the resolved configuration as YAML."),
         "sql": (cmd_sql, "Query a run's store with SQL (works while a run is writing)."),
         "compact": (cmd_compact, "DuckLake maintenance: merge small files, expire snapshots."),
+        "check": (cmd_check, "Check a run's exactly-once invariants in the store; exit 1 if any is broken."),
     }
     setups = {
-        "sql": lambda c: c.add_argument("query", nargs="?", help="SQL to run; without it an interactive prompt opens."),
+        "sql": _sql_arguments,
+        "check": lambda c: c.add_argument("run", help="The run whose store invariants to check."),
         "eval": lambda c: c.add_argument(
             "--checkpoint",
             default=None,

@@ -29,6 +29,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from marsrl_core.store.guard import refusal
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.schema import table_ddl, view_ddl
 
@@ -60,15 +61,12 @@ def _is_transient(err: Exception) -> bool:
     return any(marker in text for marker in _TRANSIENT)
 
 
-READ_STATEMENTS = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)  # what a read-only store runs
-
-
 class StoreConnection:
     """One DuckDB connection with the lake attached as `CATALOG`; safe to share between threads.
 
     `read_only` (the SQL console): an existing store attached with DuckLake's READ_ONLY, file access
-    and configuration changes switched off after the attach, and `query` runs only SELECT and EXPLAIN
-    statements, so nothing a user types can change the ledger."""
+    limited to its data path and configuration locked after the attach, and `query` runs only what
+    reads (`guard.py`), so nothing a user types can change the ledger."""
 
     def __init__(
         self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True, read_only: bool = False
@@ -145,7 +143,9 @@ class StoreConnection:
         except duckdb.Error as err:
             raise StoreError(f"catalog_url={self.catalog_url!r}: cannot attach DuckLake catalog ({err})") from None
         self._con = con
-        if self.read_only:
+        if self.read_only:  # files: the data path only (and the catalog DuckLake opened); no setting changes
+            con.execute("SET temp_directory = ''")
+            con.execute("SET allowed_directories = ?", [[data_path]])
             con.execute("SET enable_external_access = false")
             con.execute("SET lock_configuration = true")
             return con
@@ -246,16 +246,13 @@ class StoreConnection:
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> pa.Table:
         """Run any SQL with the lake as the default catalog (tables and views unqualified); a read-only
-        store runs SELECT and EXPLAIN statements only (StoreError for any other)."""
+        store runs only what reads (`guard.refusal`; StoreError for the rest), and reads no file
+        outside its data path (StoreError naming the file)."""
         if self.read_only:
             with self._lock:
-                kinds = {statement.type for statement in self._con.extract_statements(sql)}
-            refused = sorted(kind.name for kind in kinds if kind not in READ_STATEMENTS)
-            if refused:
-                raise StoreError(
-                    f"the store is open read-only: {', '.join(refused)} statements are refused "
-                    "(SELECT and EXPLAIN run; `marsrl compact` does maintenance)"
-                )
+                reason = refusal(self._con, sql)
+            if reason:
+                raise StoreError(f"the store is open read-only: {reason}")
 
         def attempt() -> pa.Table:
             with self._lock:
@@ -263,6 +260,11 @@ class StoreConnection:
                 try:
                     result = self._con.execute(sql, list(params))
                     return result.to_arrow_table() if result.description else pa.table({})
+                except duckdb.PermissionException as err:
+                    raise StoreError(
+                        f"the store is open read-only and reads only its data path {self.data_path!r}: "
+                        f"{str(err).splitlines()[0].removeprefix('Permission Error: ').split(' - ')[0]}"
+                    ) from None
                 finally:
                     self._con.execute("USE memory")
 

@@ -6,15 +6,24 @@
 - The prompt has line editing and a history (`~/.marsrl_sql_history`, or `$MARSRL_SQL_HISTORY`) where
   Python's `readline` is available; each line is one statement.
 - The banner lists the tables and views and example queries filtered by the newest run.
+- A query's result prints as a table, or as CSV, JSON (an array of row objects) or Markdown for a pipe
+  (`--format`): the process writes it to stdout; DuckDB's own COPY stays refused.
 
 Run: `marsrl sql` (a prompt) or `marsrl sql "SELECT * FROM train_step_metrics WHERE run_id = '...'"`.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import os
+from datetime import date, datetime, time, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
 
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.schema import TABLES, VIEWS
@@ -92,3 +101,48 @@ def _save_history(readline: Any, path: Path) -> None:
         readline.write_history_file(path)
     except OSError:  # a read-only home: the session still worked
         pass
+
+
+FORMATS = ("table", "csv", "json", "markdown")
+
+
+def _plain(value: Any) -> Any:
+    """A value JSON has no type for: times as ISO text, durations in seconds, decimals as numbers,
+    anything else as its text."""
+    if isinstance(value, (datetime, date, time)):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, Decimal):
+        return float(value)
+    return str(value)
+
+
+def _cell(value: Any) -> str:
+    """A value as one CSV or Markdown cell: lists and structs as JSON, nothing for NULL."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, default=_plain)
+    if isinstance(value, (str, int, float, bool)):
+        return str(value)
+    return str(_plain(value))
+
+
+def render(table: pa.Table, fmt: str) -> str:
+    """Every row of `table` as CSV (a header line first), JSON (an array of objects, a line each) or a
+    Markdown table."""
+    rows = table.to_pylist()
+    if fmt == "json":
+        return "[\n" + ",\n".join(json.dumps(row, default=_plain) for row in rows) + "\n]\n"
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(table.column_names)
+        writer.writerows([_cell(v) for v in row.values()] for row in rows)
+        return out.getvalue()
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(table.column_names) + " |", "|" + "---|" * table.num_columns]
+        lines += ["| " + " | ".join(_cell(v).replace("|", "\\|") for v in row.values()) + " |" for row in rows]
+        return "\n".join(lines) + "\n"
+    raise ValueError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
