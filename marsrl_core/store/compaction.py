@@ -49,8 +49,9 @@ class StoreCompaction(StoreConnection):
           snapshot and file of that day (even those of the last second). Snapshots are therefore expired
           by id, and replaced files deleted by id (`_delete_replaced_files`), both chosen here with a real
           timestamp comparison;
-        - its flush of inlined rows reports a concurrent commit as an aborted transaction: a failed call
-          is rolled back and retried like a lock conflict."""
+        - a merge (or the flush of rows a store written before inlining was switched off holds in its
+          catalog) reports a concurrent commit as an aborted transaction: a failed call is rolled back
+          and retried like a lock conflict."""
         if retention_s < 0:
             raise StoreError(f"retention_s={retention_s}: must be >= 0")
         before = self.data_file_count()
