@@ -13,7 +13,7 @@
 
 An update holds what is ready when the learner takes it, so the two variants' updates can differ in
 size: the benchmark also reports the samples trained per second. Per variant it counts the samples
-finished and those the learner dropped untrained as older than `learner.max_staleness`.
+finished and those the learner dropped untrained as older than `learner.max_trained_age`.
 
 Run: `python benchmarks/pipeline_bench.py` (`--repeats 3` by default; `--set KEY=VALUE` overrides both
 variants, and the results then go to pipeline_variant.json). Writes benchmarks/results/pipeline.json

@@ -2,6 +2,7 @@
 
 `in_thread(pool, fn, *args)` runs `fn` (which calls a flow) in a thread of `pool` with the calling
 flow's context, so the flow runs as its subflow; it returns a `concurrent.futures.Future`.
+`keep_in_flight` submits items in order with a bounded number unfinished, awaiting the oldest.
 
 A Prefect flow run sends a heartbeat event (every 180 s by default) so that the server can tell a
 crashed run from a long one. A subflow runs in its parent's process, and the parent's heartbeat
@@ -22,14 +23,15 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import prefect.context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, Settings
 
+T = TypeVar("T")
 _last: tuple[Settings, Settings] | None = None  # (base, base without heartbeat)
 _lock = threading.Lock()
 
@@ -57,3 +59,20 @@ def in_thread(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any) -> F
     """`fn(*args)` in a thread of `pool`, with the calling flow's context: a flow it calls is a subflow
     of the calling flow."""
     return pool.submit(contextvars.copy_context().run, fn, *args)
+
+
+def keep_in_flight(
+    items: Iterable[T], limit: int, submit: Callable[[T], Any], stop: Callable[[], bool] = lambda: False
+) -> Iterator[Any]:
+    """`submit(item)` for each item in order, at most `limit` unfinished at a time; the oldest is awaited
+    (`.result()` of the future `submit` returned) before the next starts. `stop` is asked before each new
+    item; once it says so, those running finish and no more start. Yields the finished items' results,
+    in order, as they finish (a run of any length keeps none of them)."""
+    pending, running = list(items), []
+    while pending or running:
+        if pending and stop():
+            pending.clear()
+        while pending and len(running) < limit:
+            running.append(submit(pending.pop(0)))
+        if running:
+            yield running.pop(0).result()

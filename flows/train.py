@@ -103,7 +103,7 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
     else:
         # Build the learner (model, optimizer, MLflow run: seconds, more on a busy machine) before any
         # rollout starts: rollouts that run ahead of a learner still starting up produce groups that
-        # are already past `learner.max_staleness` when it takes its first steps.
+        # are already past `learner.max_trained_age` when it takes its first steps.
         rt.learner(config, run_id)
         with ThreadPoolExecutor(1) as pool:
             learner = in_thread(pool, _learner_subflow, config, run_id)
@@ -138,7 +138,7 @@ def _train_beside_learner_process(config: MarsRLConfig, run_id: str, pending: li
     """The rollouts here, the learner as `marsrl learn` on `learner.nproc` ranks (its output goes to this
     process's), reporting to the same Prefect API; they meet through the store and the checkpoints.
     Returns the learner's last committed step. A learner whose ranks start later than an in-process one
-    leaves the first rollouts' groups older when it begins (past `learner.max_staleness`, they are handled
+    leaves the first rollouts' groups older when it begins (past `learner.max_trained_age`, they are handled
     as `learner.stale_groups` says)."""
     store = runtime().store(config)
     path = Path(config.output_dir) / "runs" / f"{run_id}-learner.yaml"

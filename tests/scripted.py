@@ -8,6 +8,7 @@ sampling seed (each rollout sample has its own seed), so a counting script can v
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from marsrl_core.demo.tiny import build_tiny_tokenizer
@@ -15,15 +16,18 @@ from marsrl_core.engines.base import SegmentRequest, SegmentResult
 
 
 class ScriptedEngine:
-    def __init__(self, script: Callable[[str], str]):
+    def __init__(self, script: Callable[[str], str], delay_s: float = 0.0):
+        """`delay_s`: how long each segment batch takes (a real engine's decode is not instant)."""
         self.tokenizer = build_tiny_tokenizer()
         self.script = script
         self.policy_version = 0
         self.calls: list[str] = []
         self._outputs: dict[tuple, list[int]] = {}
         self.max_positions = None
+        self.delay_s = delay_s
 
     def decode_segment(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
+        time.sleep(self.delay_s)
         results = []
         for r in requests:
             key = (tuple(r.prompt_ids), r.sampling.seed)

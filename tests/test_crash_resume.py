@@ -34,7 +34,7 @@ def _config(tmp_path: Path) -> Path:
     # 16 batches held ~96 groups (2 Solver, up to 4 Verifier and 4 Corrector groups each) and a step takes
     # up to 4 per agent; 12 steps used ~90 of them. 24 leave a margin; the train flow submits no batch
     # once the learner has its steps, so the spare ones cost nothing. Every group is trained on
-    # (`learner.max_staleness: None`): a learner restarted a dozen times lags its rollouts, and groups
+    # (`learner.max_trained_age: None`): a learner restarted a dozen times lags its rollouts, and groups
     # dropped as stale made runs end short of the budget (10 of 12 steps in one CI run, 9 in another),
     # which says nothing about crash safety. Dropping stale groups is tested in test_learner.
     return process_config_file(
@@ -47,7 +47,7 @@ def _config(tmp_path: Path) -> Path:
             "max_steps": MAX_STEPS,
             "learning_rate": 1e-3,
             "warmup_steps": 0,
-            "max_staleness": None,
+            "max_trained_age": None,
             "save_total_limit": None,  # every version stays on disk, so the test can load each one
         },
         evaluation={"num_problems": 2, "k": 1, "max_rounds": 1},
@@ -249,7 +249,7 @@ def test_train_goes_on_when_its_store_process_dies_again_and_again(tmp_path):
         tmp_path,
         "flaky",
         data={"num_batches": 12},
-        learner={"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": steps, "max_staleness": None},
+        learner={"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": steps, "max_trained_age": None},
         evaluation={"num_problems": 2, "k": 1, "max_rounds": 1},
         sft={"enabled": False},
     )

@@ -18,36 +18,75 @@ def prefect_server():
         yield
 
 
-def test_rollout_flow_is_a_dag_of_agent_turns(tmp_path):
+def _length_script(long_word: str = "long"):
+    """A Solver writes 9 characters for a problem whose prompt lacks `long_word` (one 16-token segment)
+    and 82 for one that has it (six); a Verifier flags every solution; a Corrector fixes it."""
+
+    def script(prompt: str) -> str:
+        role, problem = prompt.split("|")[:2]
+        if role == "S":
+            return ("thinking " * 8 + "Answer: 2") if long_word in problem else "Answer: 2"
+        return "Correctness: Wrong" if role == "V" else "Answer: 2"
+
+    return script
+
+
+def _scripted_run(tmp_path, rows: list[str], **extra):
+    """A config whose training problems are `rows` (their questions) and a scripted engine for it whose
+    segment batches take 0.2 s each (longer than a batch's Prefect set-up)."""
+    import json
+
+    from marsrl_core.runtime.context import runtime
+    from tests.scripted import ScriptedEngine
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"query": q, "ans_box": "2"}) + "\n" for q in rows))
+    settings = {
+        "data.train_dataset": str(data),
+        "rollout.segment_tokens": 16,
+        "rollout.solver_max_tokens": 96,
+        "rollout.verifier_max_tokens": 48,
+        "rollout.corrector_max_tokens": 48,
+        "rollout.select_inputs": 1,
+        **extra,
+    }
+    cfg = small_config(tmp_path, **settings)
+    runtime().use_engine(cfg, ScriptedEngine(_length_script(), delay_s=0.2))
+    return cfg
+
+
+def _task_runs(flow_run_id) -> dict:
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r for r in runs}
+
+
+def test_a_batchs_turn_tasks_span_their_groups_and_overlap_where_the_agents_do(tmp_path):
+    """Problem "1+1 short" finishes its Solvers in one stage, "1+1 long" needs six: its Verifiers
+    start meanwhile, so the Verifier task starts before the Solver task ends. Each task ends after its
+    turn's last segment was stored, and returns the turn's samples as the store holds them."""
     from flows.rollout import rollout_flow
     from marsrl_core.store import SegmentStore
 
-    cfg = small_config(tmp_path)
+    cfg = _scripted_run(tmp_path, ["1+1 short", "1+1 long"])
     state = rollout_flow(cfg, "r1", 0, return_state=True)
     results = state.result()
-    assert len(results) == 3 and results[0]["finished"] == 2 * 4
-    # The DAG's edges: each turn's task run waits for the one before it (record-batch first).
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
-        )
-    by_id = {r.id: r for r in runs}
-    names = {r.name.rsplit("-", 1)[0]: r for r in runs}
-    assert set(names) == {"record-batch", "solver-turn0", "verifier-turn1", "corrector-turn2"}
-    for before, after in (
-        ("record-batch", "solver-turn0"),
-        ("solver-turn0", "verifier-turn1"),
-        ("verifier-turn1", "corrector-turn2"),
-    ):
-        upstream = [by_id[i.id].name for i in names[after].task_inputs["wait_for"]]
-        assert upstream == [names[before].name]
+    tasks = _task_runs(state.state_details.flow_run_id)
+    assert set(tasks) == {"record-batch", "solver-turn0", "verifier-turn1", "corrector-turn2"}
+    solver, verifier = tasks["solver-turn0"], tasks["verifier-turn1"]
+    assert verifier.start_time < solver.end_time  # the agents overlapped, and so did their tasks
     store = SegmentStore.from_config(cfg.store)
-    turns = store.query("SELECT turn, count(*) AS n FROM samples GROUP BY 1 ORDER BY 1").to_pylist()
-    assert turns[0] == {"turn": 0, "n": 8} and turns[1]["n"] == 2 * 2 * 2
-    assert store.count("rewards", "r1") == store.count("samples", "r1")
+    per_turn = store.query(
+        """SELECT s.turn, count(DISTINCT s.sample_id) AS samples, max(g.created_at) AS last_segment
+           FROM samples s JOIN segments g USING (run_id, sample_id) WHERE run_id = 'r1' GROUP BY 1 ORDER BY 1"""
+    ).to_pylist()
+    assert [r["samples"] for r in results] == [r["samples"] for r in per_turn] == [8, 4, 4]
+    for row, name in zip(per_turn, ("solver-turn0", "verifier-turn1", "corrector-turn2")):
+        assert tasks[name].end_time >= row["last_segment"], name
+    assert store.has_event("r1", "batch_done:0")
 
 
 def test_subflows_inside_parent_heartbeat_only_send_no_heartbeat_and_reuse_one_settings_object():
@@ -96,7 +135,7 @@ def test_rollouts_flow_stops_before_the_next_batch_when_asked(tmp_path):
     decoded = store.count("segments", "s1")
     assert decoded > 0 and not store.has_event("s1", ROLLOUTS_FINISHED)
     store.mark("s1", events.STOP_REQUESTED)
-    assert rollouts_flow(cfg, "s1", [1, 2], finish=True) == {"batches": 0, "stages": 0}
+    assert rollouts_flow(cfg, "s1", [1, 2], finish=True) == {"batches": 0, "samples": 0}
     assert store.count("segments", "s1") == decoded and store.has_event("s1", ROLLOUTS_FINISHED)
 
 
@@ -108,7 +147,7 @@ def test_run_batches_leaves_nothing_per_batch_in_the_calling_flow(tmp_path):
 
     from flows.rollout import run_batches
 
-    cfg = small_config(tmp_path)
+    cfg = small_config(tmp_path, **{"learner.max_trained_age": "null"})  # no learner here: no pacing
 
     @flow
     def calling_flow() -> tuple[dict, int]:
@@ -116,129 +155,70 @@ def test_run_batches_leaves_nothing_per_batch_in_the_calling_flow(tmp_path):
         return done, len(FlowRunContext.get().run_results)
 
     done, entries = calling_flow()
-    assert done["batches"] == 3 and done["stages"] >= 3 * cfg.rollout.max_turns
+    assert done["batches"] == 3 and done["samples"] >= 3 * cfg.rollout.problems_per_batch * 4
     assert entries == 0
 
 
-def test_rollouts_flow_decodes_batches_in_flight_at_once(tmp_path, monkeypatch):
-    """Batches 0 and 1 meet at a barrier before their first turn decodes (each waits up to 60 s for the
-    other): only a flow that keeps two batches in flight gets both there. The real `work` calls run
-    inside the wrappers, which also count the batches running at once (from recording a batch's
-    problems to marking it done). Timestamps alone cannot show it: under load one batch's subflow can
-    start after the other, tiny one, has ended."""
-    import threading
-
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_the_next_batch_streams_in_as_an_earlier_problem_ends(tmp_path, in_flight):
+    """Each batch has a short problem and a long one. The decode loop holds `batches_in_flight` x 2
+    problems: batch 1's problems start while batch 0's long problem still decodes (the batch prepared
+    ahead waits in the loop, not behind a barrier), never more problems at once than that, and every
+    batch ends marked done with nothing stored twice."""
     from flows.rollout import rollouts_flow
-    from marsrl_core.runtime import events, work
+    from marsrl_core.runtime import events
     from marsrl_core.runtime.context import runtime
+    from tests.configs import assert_exactly_once
 
-    cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 2})
-    record, decode, mark_done = work.record_batch, work.rollout_turn, work.mark_batch_done
-    barrier = threading.Barrier(2)
-    lock, running, most, met = threading.Lock(), set(), [0], []
-
-    def recording(c, run_id, batch):
-        with lock:
-            running.add(batch)
-            most[0] = max(most[0], len(running))
-        return record(c, run_id, batch)
-
-    def decoding(c, run_id, batch, turn):
-        if batch in (0, 1) and turn == 0:
-            try:
-                barrier.wait(timeout=60)
-                met.append(True)
-            except threading.BrokenBarrierError:
-                met.append(False)
-        return decode(c, run_id, batch, turn)
-
-    def marking(c, run_id, batch):
-        mark_done(c, run_id, batch)
-        with lock:
-            running.discard(batch)
-
-    monkeypatch.setattr(work, "record_batch", recording)
-    monkeypatch.setattr(work, "rollout_turn", decoding)
-    monkeypatch.setattr(work, "mark_batch_done", marking)
-    assert rollouts_flow(cfg, "p1", [0, 1, 2], finish=True)["batches"] == 3
-    assert met == [True, True]  # batches 0 and 1 were decoding at the same time
-    assert most[0] == 2  # and never three at once: batch 2 waited for batch 0 to end
-    assert all(runtime().store(cfg).has_event("p1", events.batch_done(b)) for b in range(3))
-
-
-def test_rollouts_flow_sets_up_the_next_batch_while_one_decodes(tmp_path, monkeypatch):
-    """With one batch in flight, batch 0's first turn waits (up to 60 s) until the server shows batch
-    1's subflow run as running, its Prefect bookkeeping done: only a flow that sets the next batch up
-    while one decodes gets there. Batch 1 still records its problems only after batch 0 is marked
-    done: it waited for the decode slot, so decoding never overlaps."""
-    import time
-
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-
-    from flows.rollout import rollouts_flow
-    from marsrl_core.runtime import work
-
-    cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 1})
-    record, decode, mark_done = work.record_batch, work.rollout_turn, work.mark_batch_done
-    recorded, marked, saw_next_running = {}, {}, {}
-
-    def next_batch_running(batch: int) -> bool:
-        with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["rollout"])))
-        return any(
-            r.parameters.get("run_id") == "ahead"
-            and r.parameters.get("batch_index") == batch + 1
-            and r.state is not None
-            and r.state.is_running()
-            for r in runs
-        )
-
-    def recording(c, run_id, batch):
-        recorded[batch] = time.monotonic()
-        return record(c, run_id, batch)
-
-    def decoding(c, run_id, batch, turn):
-        if turn == 0 and batch < 2:
-            deadline = time.monotonic() + 60
-            while not (seen := next_batch_running(batch)) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            saw_next_running[batch] = seen
-        return decode(c, run_id, batch, turn)
-
-    def marking(c, run_id, batch):
-        mark_done(c, run_id, batch)
-        marked[batch] = time.monotonic()
-
-    monkeypatch.setattr(work, "record_batch", recording)
-    monkeypatch.setattr(work, "rollout_turn", decoding)
-    monkeypatch.setattr(work, "mark_batch_done", marking)
-    assert rollouts_flow(cfg, "ahead", [0, 1, 2])["batches"] == 3
-    assert saw_next_running == {0: True, 1: True}
-    assert marked[0] < recorded[1] and marked[1] < recorded[2]
-
-
-def test_rollouts_flow_decodes_no_prepared_batch_once_asked_to_stop(tmp_path, monkeypatch):
-    """The stop request arrives while batch 0 decodes and batch 1 waits, set up, for its slot: batch 1
-    must not decode, and only batch 0 counts."""
-    from flows.rollout import rollouts_flow
-    from marsrl_core.runtime import events, work
-    from marsrl_core.runtime.context import runtime
-
-    cfg = small_config(tmp_path, **{"rollout.batches_in_flight": 1})
+    cfg = _scripted_run(
+        tmp_path,
+        ["1+1 short", "1+1 long"],
+        **{"rollout.batches_in_flight": in_flight, "rollout.max_turns": 1, "learner.max_trained_age": "null"},
+    )
+    assert rollouts_flow(cfg, "stream", [0, 1, 2], finish=True)["batches"] == 3
     store = runtime().store(cfg)
-    mark_done = work.mark_batch_done
+    stages = store.query(
+        """SELECT g.created_at, list(DISTINCT s.problem_id) AS problems
+           FROM segments g JOIN samples s USING (run_id, sample_id) WHERE run_id = 'stream' GROUP BY 1 ORDER BY 1"""
+    ).to_pylist()
+    assert max(len(s["problems"]) for s in stages) <= 2 * in_flight
+    batch_of = lambda problem: problem.split("-")[0]  # noqa: E731
+    assert any({"b0", "b1"} <= {batch_of(p) for p in s["problems"]} for s in stages)
+    assert all(store.has_event("stream", events.batch_done(b)) for b in range(3))
+    assert_exactly_once(store, "stream")
 
-    def stop_after_batch_0(c, run_id, batch):
+
+def test_a_stop_drops_the_problems_not_admitted_and_leaves_their_batch_unmarked(tmp_path, monkeypatch):
+    """The stop request arrives once batch 0's Solver turn has ended: no later problem is admitted, the
+    batches in flight end with what they have, and only a batch whose every problem was decoded is
+    marked done (a resumed run decodes the rest)."""
+    from flows.rollout import rollouts_flow
+    from marsrl_core.runtime import events, work
+    from marsrl_core.runtime.context import runtime
+
+    cfg = _scripted_run(
+        tmp_path,
+        ["1+1 long", "1+1 long"],
+        **{"rollout.batches_in_flight": 1, "rollout.max_turns": 1, "rollout.problems_per_batch": 1}
+        | {"learner.max_trained_age": "null"},
+    )
+    store = runtime().store(cfg)
+    turn = work.rollout_turn
+
+    def stop_after_batch_0(c, run_id, batch, t):
+        result = turn(c, run_id, batch, t)
         if batch == 0:
             store.mark(run_id, events.STOP_REQUESTED)
-        mark_done(c, run_id, batch)
+        return result
 
-    monkeypatch.setattr(work, "mark_batch_done", stop_after_batch_0)
-    assert rollouts_flow(cfg, "halt", [0, 1, 2])["batches"] == 1
-    per_batch = store.query("SELECT count(*) AS n FROM problems WHERE run_id = 'halt'").to_pylist()
-    assert per_batch == [{"n": cfg.rollout.problems_per_batch}]  # batch 0's problems only
-    assert not store.has_event("halt", events.batch_done(1))
+    monkeypatch.setattr(work, "rollout_turn", stop_after_batch_0)
+    done = rollouts_flow(cfg, "halt", [0, 1, 2, 3])
+    assert store.has_event("halt", events.batch_done(0))
+    decoded = {r["problem_id"].split("-")[0] for r in store.query("SELECT problem_id FROM samples").to_pylist()}
+    assert "b3" not in decoded and done["batches"] <= 3  # stopped before starting every batch
+    for b in range(1, 4):  # a batch marked done decoded all its problems
+        if store.has_event("halt", events.batch_done(b)):
+            assert f"b{b}" in decoded
 
 
 def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):

@@ -96,10 +96,10 @@ def test_first_step_is_on_policy_and_metrics_are_recorded(folder, tmp_path):
     assert store.trainable_groups(RUN, "solver") == []
 
 
-def test_groups_older_than_max_staleness_are_dropped_untrained_while_fresh_ones_arrive(folder, tmp_path):
+def test_groups_older_than_max_trained_age_are_dropped_untrained_while_fresh_ones_arrive(folder, tmp_path):
     from marsrl_core.learn.groups import ready_groups
 
-    cfg = _cfg(tmp_path, max_staleness=1, groups_per_step=1, downstream_groups_per_step=1, stale_groups="drop")
+    cfg = _cfg(tmp_path, max_trained_age=1, groups_per_step=1, downstream_groups_per_step=1, stale_groups="drop")
     store = SegmentStore.from_config(cfg.store)
     learner, engine = _learner(cfg, store, folder, tmp_path)
     old = sample_groups(engine, store, RUN, "verifier", "V|1+2|", groups=2, size=4, reward_fn=digit_fraction)
@@ -399,7 +399,7 @@ def test_an_update_that_makes_a_parameter_non_finite_is_never_published(folder, 
 def test_past_the_staleness_bound_correct_trains_stale_groups_with_decoupled_ppo(folder, tmp_path):
     from marsrl_core.learn.groups import ready_groups
 
-    cfg = _cfg(tmp_path, max_staleness=1, groups_per_step=2, downstream_groups_per_step=2, stale_groups="correct")
+    cfg = _cfg(tmp_path, max_trained_age=1, groups_per_step=2, downstream_groups_per_step=2, stale_groups="correct")
     store = SegmentStore.from_config(cfg.store)
     learner, engine = _learner(cfg, store, folder, tmp_path)
     old = sample_groups(engine, store, RUN, "verifier", "V|1+2|", groups=3, size=4, reward_fn=digit_fraction)

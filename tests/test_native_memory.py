@@ -70,22 +70,29 @@ def test_a_worker_process_starts_one_trimmer_with_its_store(tmp_path):
     assert len(trimmers) == 1 and trimmers[0].is_alive()
 
 
-def test_a_rollout_turns_scheduler_is_freed_when_the_turn_ends(tmp_path):
-    """Freed, with its samples, by reference counting, not left for a full garbage-collector pass:
-    between two such passes a rollout worker would hold every finished turn's scheduler and samples."""
+def test_a_batchs_samples_are_freed_when_its_flow_is_done_with_it(tmp_path):
+    """Freed by reference counting once the decode loop lets go of the batch, not left for a full
+    garbage-collector pass: between two such passes a rollout worker would hold every finished batch's
+    samples (a parent lists its children and each child names its parent: a reference cycle)."""
     import gc
 
-    from marsrl_core.rollout.scheduler import RolloutScheduler, Sample
+    from marsrl_core.rollout.scheduler import Sample
     from tests.configs import small_config
 
     cfg = small_config(tmp_path)
-    work.record_batch(cfg, "freed", 0)
-    work.rollout_turn(cfg, "freed", 0, 0)  # warm-up: engine, tokenizer, store
+    for batch in (0, 1):
+        work.record_batch(cfg, "freed", batch)
+    work.start_batch(cfg, "freed", 0)
+    work.end_batch(cfg, "freed", 0)  # warm-up: engine, tokenizer, store
     gc.collect()
     gc.disable()
     try:
-        work.rollout_turn(cfg, "freed", 0, 1)
-        alive = {kind.__name__: sum(type(o) is kind for o in gc.get_objects()) for kind in (RolloutScheduler, Sample)}
+        work.start_batch(cfg, "freed", 1)
+        assert work.end_batch(cfg, "freed", 1)
+        deadline, alive = time.monotonic() + 30, None
+        while alive != 0 and time.monotonic() < deadline:  # the loop lets go at its next stage boundary
+            time.sleep(0.1)
+            alive = sum(type(o) is Sample for o in gc.get_objects())
     finally:
         gc.enable()
-    assert alive == {"RolloutScheduler": 0, "Sample": 0}
+    assert alive == 0

@@ -140,7 +140,7 @@ def tiny(tmp_path_factory):
 
 
 def test_long_samples_continue_across_segments_and_versions_and_reassemble(tmp_path, tiny):
-    cfg = _cfg(tmp_path, max_turns=1, segment_tokens=3, solver_max_tokens=20, max_staleness=10)
+    cfg = _cfg(tmp_path, max_turns=1, segment_tokens=3, solver_max_tokens=20, max_version_span=10)
     store = SegmentStore.from_config(cfg.store)
     engine = HFEngine.from_pretrained(tiny[0])
     engine.eos_id = -1  # never stop early: every sample spans 7 segments
@@ -174,7 +174,7 @@ def test_staleness_bound_is_never_exceeded(tmp_path, tiny):
         segment_tokens=2,
         solver_max_tokens=12,
         verifier_max_tokens=12,
-        max_staleness=1,
+        max_version_span=1,
         problems_per_batch=2,
     )
     store = SegmentStore.from_config(cfg.store)
@@ -333,7 +333,10 @@ def test_a_turn_behind_the_store_stores_nothing_twice_and_its_retry_resumes(tmp_
     engine = HFEngine.from_pretrained(tiny[0])
     engine.eos_id = -1  # every sample runs to its budget: 4 Solver segments, 3 Verifier segments
     problems = {p.problem_id: p for p in _problems(2)}
-    _scheduler(cfg, store, engine, list(problems.values())).run_turn(0)
+    first = _scheduler(cfg, store, engine, list(problems.values()))
+    first.stage()
+    while any(s.turn == 0 for s in first.in_flight()):  # the Solvers finish; the Verifiers are created
+        first.stage()
     stored = {table: store.count(table, RUN) for table in ("samples", "segments", "rewards")}
 
     behind = _scheduler(cfg, store, engine, [])
@@ -343,12 +346,12 @@ def test_a_turn_behind_the_store_stores_nothing_twice_and_its_retry_resumes(tmp_
     solver.token_ids, solver.versions = solver.token_ids[:9], solver.versions[:9]  # the missed read
     solver.segments, solver.finish, solver.judgement = 3, None, None
     with pytest.raises(RolloutBehindStore, match=rf"segments {solver.sample_id}#3"):
-        behind.run_turn(1)
+        behind.stage()
     assert {table: store.count(table, RUN) for table in stored} == stored  # nothing of that stage written
 
     retry = _scheduler(cfg, store, engine, [])
     retry.resume(problems)
-    retry.run_turn(1)
+    retry.run()
     assert_exactly_once(store, RUN)
     per_sample = store.query(
         "SELECT s.agent, count(*) AS n FROM segments g JOIN samples s USING (sample_id) GROUP BY s.agent, g.sample_id"

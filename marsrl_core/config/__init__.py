@@ -17,6 +17,7 @@ from marsrl_core.config.loading import (
     given_in_part,
     load_config,
     merged_over,
+    migrate_renamed,
     with_overrides,
 )
 from marsrl_core.config.presets import PRESETS
@@ -57,6 +58,7 @@ __all__ = [
     "default_config",
     "given_in_part",
     "merged_over",
+    "migrate_renamed",
     "load_config",
     "with_overrides",
 ]

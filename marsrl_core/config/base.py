@@ -4,9 +4,9 @@ rejects unknown fields, non-finite numbers and bools given for numbers."""
 from __future__ import annotations
 
 import types
-from typing import Any, Union, get_args, get_origin
+from typing import Any, ClassVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
 AGENTS = ("solver", "verifier", "corrector")
 
@@ -25,6 +25,18 @@ def _is_number(annotation: Any) -> bool:
 class _Section(BaseModel):
     # Numbers are finite everywhere (`.inf` and `.nan` are rejected), unknown fields are errors.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # Fields that have a new name: old name -> new name. Given under the old name, a field is an error
+    # naming the new one; a stored run's config is read with `migrate_renamed` instead.
+    RENAMED: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_old_names(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in cls.RENAMED.items():
+                if old in data:
+                    raise ValueError(f"{old} is now {new} ({cls.model_fields[new].description.split(';')[0]})")
+        return data
 
     @field_validator("*", mode="before")
     @classmethod

@@ -15,6 +15,7 @@ from marsrl_core.config.base import AGENTS, _Section
 
 
 class LearnerConfig(_Section):
+    RENAMED = {"max_staleness": "max_trained_age"}
     policies: Literal["shared", "per_agent"] = Field(
         "shared",
         description="'shared': one model for all roles (the paper); 'per_agent': one model and optimizer per agent.",
@@ -37,7 +38,7 @@ class LearnerConfig(_Section):
         gt=0,
         description="Truncated importance sampling (decoupled PPO) for every sample: the ratio is taken against "
         "the policy at the start of the step and each token weighted by pi_prox / pi_behaviour, capped here "
-        "(None: only samples past `max_staleness` with `stale_groups='correct'` are weighted, capped at 2).",
+        "(None: only samples past `max_trained_age` with `stale_groups='correct'` are weighted, capped at 2).",
     )
     tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "token_truncate",
@@ -104,23 +105,26 @@ class LearnerConfig(_Section):
         description="Complete groups of the Verifier and of the Corrector consumed by one learner "
         "step (None: `groups_per_step`). Per problem the Solver samples one group and each downstream turn "
         "`select_inputs` groups, so with equal counts the downstream agents produce several times what a "
-        "step takes and the surplus ages past `max_staleness`.",
+        "step takes and the surplus ages past `max_trained_age`.",
     )
     max_steps: int = Field(100, ge=1, description="Learner steps in a training run.")
-    max_staleness: int | None = Field(
+    max_trained_age: int | None = Field(
         4,
         ge=0,
         description="Most policy versions between a group's oldest token and the learner's current "
-        "policy for the group to be trained on as it is; older complete groups are handled as `stale_groups` "
+        "policy for the group to be trained on as it is (AReaL's max staleness eta); the rollouts admit a "
+        "problem only while what is generated and not yet trained would be trained within it at the "
+        "learner's pace, so a slow or late learner makes them wait instead of building a backlog. Older "
+        "complete groups are handled as `stale_groups` "
         "says (corrected, or dropped untrained and recorded in the store as consumptions with learner_step "
         "-1). Past the PPO clip an uncorrected stale group gives almost no "
         "gradient, and a learner that drains a backlog oldest-first trains on ever older data. Once the "
         "rollouts have finished and no fresh group is left, stale ones are trained on rather than ending "
-        "the run short of its steps. None trains on every group.",
+        "the run short of its steps. None trains on every group and lets the rollouts run ahead.",
     )
     stale_groups: Literal["drop", "correct"] = Field(
         "correct",
-        description="What a step does with groups past `max_staleness`: 'correct' them: train on them with "
+        description="What a step does with groups past `max_trained_age`: 'correct' them: train on them with "
         "decoupled PPO (AReaL; Hilton et al. 2022), the ratio against the policy at the start of the step and "
         "each token weighted by pi_prox / pi_behaviour, capped at `tis_cap` (2 when unset) as `tis_mode` "
         "says; or 'drop' them untrained. Over five seeds of the tiny run 'correct' drops no sample where "

@@ -44,6 +44,21 @@ def _format_validation_error(err: ValidationError) -> str:
     return "invalid config: " + "; ".join(lines)
 
 
+def migrate_renamed(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored run's config with renamed fields under their new names (a run recorded before a rename
+    still resumes); a config a user gives keeps its old names, which are errors naming the new ones."""
+    data = copy.deepcopy(data)
+    for name, field in MarsRLConfig.model_fields.items():
+        section = data.get(name)
+        renamed = getattr(field.annotation, "RENAMED", {})
+        if isinstance(section, dict):
+            for old, new in renamed.items():
+                if old in section:
+                    section.setdefault(new, section.pop(old))
+                    section.pop(old, None)
+    return data
+
+
 def build_config(data: dict[str, Any]) -> MarsRLConfig:
     """Validate a plain dict into a config, raising ConfigError that names field and value."""
     try:

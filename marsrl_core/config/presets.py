@@ -54,7 +54,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         # The Verifier and Corrector take 8 groups a step (the Solver 4): a batch of 8 problems gives
         # the Solver 8 groups and each downstream agent up to 32, and with 4 a step a third of them
-        # aged past max_staleness untrained (benchmarks/learning_spread.py --set compares the two).
+        # aged past max_trained_age untrained (benchmarks/learning_spread.py --set compares the two).
         "learner": {"learning_rate": 1e-4, "warmup_steps": 20, "max_steps": 50, "downstream_groups_per_step": 8},
     },
 }

@@ -77,6 +77,7 @@ class EngineConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    RENAMED = {"max_staleness": "max_version_span"}
     num_generations: int = Field(
         8, description="Solver samples per problem (the GRPO group size for the Solver; at least 2)."
     )
@@ -100,8 +101,11 @@ class RolloutConfig(_Section):
     temperature: float = Field(0.85, ge=0, description="Sampling temperature for training rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 disables).")
-    max_staleness: int = Field(
-        2, ge=0, description="Most policy versions a sample may span; admission pauses beyond it."
+    max_version_span: int = Field(
+        2,
+        ge=0,
+        description="Most policy versions one sample's segments may span; a newer version waits at the "
+        "stage boundary (and no problem is admitted) until the samples that would exceed it have finished.",
     )
     problems_per_batch: int = Field(128, ge=1, description="Problems admitted per rollout batch.")
     batches_in_flight: int = Field(

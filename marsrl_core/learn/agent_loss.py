@@ -2,7 +2,7 @@
 them, the loss of `algorithms.policy_loss` back-propagated, and the step's metrics for that agent.
 
 - `TrainItem`: a stored sample with its advantage, whether it takes decoupled PPO's correction (a
-  group past `max_staleness` with `stale_groups='correct'`), and whether it is left out of the loss
+  group past `max_trained_age` with `stale_groups='correct'`), and whether it is left out of the loss
   (cut off by its budget, with `mask_truncated_completions`).
 - `loss_normalizers`: the token and sequence counts an agent's loss is divided by, from how a policy
   weighs the agents that share it (`agent_weighting`), summed over the step's micro-batches so that
@@ -30,7 +30,7 @@ from marsrl_core.store import StoredSample
 class TrainItem:
     sample: StoredSample
     advantage: float
-    decoupled: bool = False  # past `max_staleness`: decoupled PPO's correction (`stale_groups='correct'`)
+    decoupled: bool = False  # past `max_trained_age`: decoupled PPO's correction (`stale_groups='correct'`)
     masked: bool = False  # cut off by its budget and left out of the loss (`mask_truncated_completions`)
 
     @property

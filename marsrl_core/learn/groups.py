@@ -16,7 +16,7 @@ def ready_groups(learner: Learner, flush: bool = False) -> list[TrainableGroup]:
     """Up to `groups_per_step` complete groups per agent (`downstream_groups_per_step` for the Verifier
     and the Corrector); empty unless some agent has that many ready
     (or `flush`, at the end of a run, when any ready group counts). Groups older than the learner's
-    `max_staleness` come along flagged `stale` (with `stale_groups='drop'` the step drops them) but
+    `max_trained_age` come along flagged `stale` (with `stale_groups='drop'` the step drops them) but
     never make a step ready, except at `flush` when no fresh group is left: the run's data is all there
     is, so up to a step's count of them per agent (the newest) are trained on rather than ending the
     run short of its steps.
@@ -24,7 +24,7 @@ def ready_groups(learner: Learner, flush: bool = False) -> list[TrainableGroup]:
     With `learner.stale_groups='correct'` stale groups are trained on (with decoupled PPO's correction):
     a step takes an agent's fresh groups first, then fills its count with stale ones, the newest first;
     the other stale groups wait for a later step."""
-    per_agent, bound = learner.cfg.learner.groups_per_step_by_agent(), learner.cfg.learner.max_staleness
+    per_agent, bound = learner.cfg.learner.groups_per_step_by_agent(), learner.cfg.learner.max_trained_age
     by_agent = learner.store.trainable_groups_by_agent(
         learner.run_id, AGENTS, limit=per_agent, min_version=None if bound is None else learner.step - bound
     )

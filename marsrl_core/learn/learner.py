@@ -14,7 +14,7 @@ One `train_step(groups)`:
 5. publishes version `step`: the checkpoint is written (temporary folder, then renamed), then the
    consumptions, the version row and the metrics commit in one store transaction.
 
-Groups flagged `stale` (older than `learner.max_staleness` policy versions, see `groups.ready_groups`)
+Groups flagged `stale` (older than `learner.max_trained_age` policy versions, see `groups.ready_groups`)
 are trained on with decoupled PPO's correction (`stale_groups='correct'`, the default) or dropped
 untrained (`stale_groups='drop'`: recorded as dropped, so they are never offered again).
 

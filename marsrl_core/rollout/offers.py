@@ -2,7 +2,7 @@
 
 A learner (in this process, or elsewhere through the store's committed versions) offers each new
 version; only the newest offer is kept. At a stage boundary the scheduler asks to apply it: it is
-applied unless an in-flight sample started more than `max_staleness` versions before it (the
+applied unless an in-flight sample started more than `max_version_span` versions before it (the
 sample would then span too many versions), in which case it waits while those samples drain.
 """
 
@@ -26,8 +26,8 @@ class PolicyOffers:
             if self.pending is None or version > self.pending[0]:
                 self.pending = (version, weights)
 
-    def apply(self, current_version: int, oldest_in_flight: int | None, max_staleness: int) -> bool:
-        """Load the pending policy into the engines unless it is more than `max_staleness` versions newer
+    def apply(self, current_version: int, oldest_in_flight: int | None, max_version_span: int) -> bool:
+        """Load the pending policy into the engines unless it is more than `max_version_span` versions newer
         than `oldest_in_flight` (the start version of the oldest sample in flight; None when none is);
         False when it must wait."""
         with self._lock:
@@ -41,7 +41,7 @@ class PolicyOffers:
         oldest = version if oldest_in_flight is None else oldest_in_flight
         # After a restart the engine may hold weights older than the restored samples themselves; then
         # any newer policy is closer to them than what it has, so it is applied at once.
-        if version - oldest > max_staleness and current_version >= oldest:
+        if version - oldest > max_version_span and current_version >= oldest:
             return False
         done: set[int] = set()
         for agent, engine in self.engines.items():

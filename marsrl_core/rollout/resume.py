@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from marsrl_core.rollout.scheduler import RolloutScheduler
 
 
-def restore(scheduler: RolloutScheduler, problems_by_id: dict[str, Problem]) -> int:
-    """Rebuild `scheduler`'s state for the problems in `problems_by_id` from its store; returns how
-    many samples were restored."""
+def restore(scheduler: RolloutScheduler, problems_by_id: dict[str, Problem], batch: int | None = None) -> int:
+    """Rebuild `scheduler`'s state for the problems in `problems_by_id` (of batch `batch`) from its
+    store; returns how many samples were restored."""
     rows = scheduler.store.samples_of_problems(scheduler.run_id, list(problems_by_id))
     if not rows:
         return 0
@@ -48,11 +48,12 @@ def restore(scheduler: RolloutScheduler, problems_by_id: dict[str, Problem]) -> 
             sample.finish = st.finish_reason
             scheduler.judge_finished(sample)
         by_id[sample.sample_id] = sample
-        state = scheduler.states.setdefault(problem.problem_id, ProblemState(problem))
+        state = scheduler.states.setdefault(problem.problem_id, ProblemState(problem, batch=batch))
         state.turns.setdefault(sample.turn, []).append(sample)
-    scheduler.admitted = len(scheduler.states)
     rewarded = {r["sample_id"] for r in rows if r["rewarded"]}
     for state in scheduler.states.values():
+        if state.problem.problem_id not in problems_by_id:
+            continue
         samples = [s for t in state.turns.values() for s in t]
         if all(s.finish for s in samples) and _is_closed(scheduler.rc, state, rewarded):
             state.done = True

@@ -7,6 +7,7 @@ A trajectory unrolls Solver -> Verifier -> Corrector -> Verifier -> Corrector; t
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from marsrl_core.agents.problems import Problem
@@ -62,6 +63,44 @@ class ProblemState:
     problem: Problem
     turns: dict[int, list[Sample]] = field(default_factory=dict)
     done: bool = False
+    batch: int | None = None
+
+
+@dataclass
+class BatchProgress:
+    """One batch as its scheduler holds it: per turn the samples started, finished and their tokens, and
+    where each problem still in flight stands (its current turn, and whether that turn has finished)."""
+
+    waiting: int = 0  # problems not admitted yet
+    dropped: int = 0  # problems dropped unadmitted (the run stopped)
+    problems: int = 0  # admitted
+    done_problems: int = 0
+    samples: Counter = field(default_factory=Counter)  # turn -> samples started
+    finished: Counter = field(default_factory=Counter)  # turn -> samples finished
+    tokens: Counter = field(default_factory=Counter)  # turn -> tokens decoded
+    open_turns: list[tuple[int, bool]] = field(default_factory=list)  # (current turn, all of it finished)
+
+    def add(self, turn: int, samples: list[Sample]) -> None:
+        self.samples[turn] += len(samples)
+        self.finished[turn] += sum(s.finish is not None for s in samples)
+        self.tokens[turn] += sum(len(s.token_ids) for s in samples)
+
+    def started(self, turn: int) -> bool:
+        return self.samples[turn] > 0
+
+    def final(self, turn: int) -> bool:
+        """No problem of the batch can still start or decode a sample of `turn`."""
+        return not self.waiting and all(c > turn or (c == turn and done) for c, done in self.open_turns)
+
+    @property
+    def ended(self) -> bool:
+        """Nothing of the batch waits or decodes any more."""
+        return not self.waiting and self.done_problems == self.problems
+
+    @property
+    def complete(self) -> bool:
+        """Every problem of the batch admitted and done."""
+        return self.ended and not self.dropped
 
 
 @dataclass
@@ -69,6 +108,7 @@ class StageReport:
     """What one rollout stage did."""
 
     tokens: int = 0  # decoded
+    decoded: int = 0  # samples that decoded a segment
     finished: int = 0  # samples that finished
     new_samples: int = 0  # samples started (new problems' Solver groups and downstream groups)
     admitted: int = 0  # new problems

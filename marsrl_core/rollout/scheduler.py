@@ -6,28 +6,32 @@ problem has finished, the next agent selects `select_inputs` of those outputs (s
 and samples a group of `downstream_generations` for each. Only Verifier outputs with a `Wrong`
 verdict can feed a Corrector; when none is left, that problem's trajectory ends.
 
-The scheduler runs in stages. A stage
+Problems arrive in batches (`add_problems`) and wait for admission. The scheduler runs in stages. A stage
 1. applies a newer policy version if one was offered and no in-flight sample would then span more
-   than `max_staleness` versions (otherwise it waits, and admits no new problems so the old samples
-   drain: the bound is never exceeded);
-2. admits new problems up to `problems_per_batch` x `batches_in_flight` in flight (the synchronous
-   baseline admits one batch, and only when the previous one has ended);
+   than `max_version_span` versions (otherwise it waits, and admits no new problems so the old
+   samples drain: the bound is never exceeded);
+2. admits waiting problems, oldest first, up to `problems_per_batch` x `batches_in_flight` in flight
+   (the synchronous baseline admits one batch, and only when the previous one has ended), and only
+   while the admission gate (`gate.py`: the learner's pace) allows;
 3. decodes one segment (`segment_tokens`, capped by each agent's remaining budget) for every
-   unfinished sample in one engine batch;
+   unfinished sample of every problem in one engine batch;
 4. rewards what finished (decoupled: at once; shared: when the problem's trajectories end), creates
    the downstream groups whose inputs are now complete, and appends new samples, the segments and
    the rewards to the store in one transaction.
-Outputs cut by their budget are `budget`-finished and rewarded `truncated_reward`.
+So a problem's next agent starts at the first stage boundary after its own inputs are complete,
+whatever the rest of its batch is doing (`turn_barrier=True` instead holds every problem of a batch
+until the whole batch has finished its turn: the rule the simulator compares against). Outputs cut by
+their budget are `budget`-finished and rewarded `truncated_reward`.
 
 Shared reward (the ablation baseline): a turn's reward is the final outcome of the trajectory through
 it (is the last solution right?); when a turn feeds several trajectories, the mean of their outcomes.
 
-`RolloutScheduler.resume()` rebuilds the state from the store after a crash: finished samples keep
-their rewards, unfinished ones continue from their stored prefix, nothing stored is decoded again.
-An interrupted turn (`interrupted()` says so before a stage) therefore stops at the stage boundary and
-raises `RolloutInterrupted`: what it decoded is stored, and a resume continues from there. A stage
-whose rows the store holds already (its state was behind the store) writes nothing and raises
-`RolloutBehindStore`; the retried turn resumes from the store, so nothing is stored twice.
+`add_problems` (and `resume`) rebuild the state of problems the store holds already (after a crash):
+finished samples keep their rewards, unfinished ones continue from their stored prefix, nothing
+stored is decoded again. A stage whose rows the store holds already (its state was behind the store)
+writes nothing and raises `RolloutBehindStore`; a new scheduler resumed from the store continues.
+`batch_progress(b)` tells, per turn, what of batch `b` has started and finished (the flows' turn tasks
+wait on it).
 
 Deliberate simplifications: a downstream turn waits for all groups of the previous turn of the same
 problem (not just one group); prompts that do not fit the engine's context with their budget are
@@ -39,11 +43,12 @@ from __future__ import annotations
 import random
 import uuid
 import zlib
-from collections.abc import Callable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from marsrl_core.agents.problems import Problem
-from marsrl_core.agents.rewards import judge
+from marsrl_core.agents.rewards import judge as judge_output
 from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER, WRONG, Roles, parse_bug_report
 from marsrl_core.agents.selection import select_inputs
 from marsrl_core.config import MarsRLConfig
@@ -51,9 +56,9 @@ from marsrl_core.engines.base import SamplingParams, SegmentRequest
 from marsrl_core.rollout.offers import PolicyOffers
 from marsrl_core.rollout.resume import restore
 from marsrl_core.rollout.samples import (
+    BatchProgress,
     ProblemState,
     RolloutBehindStore,
-    RolloutInterrupted,
     Sample,
     StageReport,
     agent_of_turn,
@@ -72,37 +77,42 @@ class RolloutScheduler:
         engine: Any,
         tokenizer: Any,
         roles: Roles,
-        problems: Iterator[Problem],
+        problems: Iterable[Problem] = (),
         *,
         seed: int = 0,
-        max_problems: int | None = None,
         newer_policy: Callable[[int], tuple[int, Any] | None] | None = None,
-        interrupted: Callable[[], bool] | None = None,
+        gate: Any = None,
+        judge: Callable[..., Any] = judge_output,
+        turn_barrier: bool = False,
     ):
         """`engine`: one engine for all agents (shared policy) or a dict agent -> engine (per-agent).
+        `problems`: problems waiting for admission (more arrive with `add_problems`).
         `newer_policy(current_version)`: asked before every stage for a policy newer than the engines'
         ((version, weights) or None), which is then offered as `offer_weights` would; for a scheduler
         whose learner runs elsewhere and publishes its versions (the store's committed checkpoints).
-        `interrupted()`: asked by `run_turn` before every stage; once true the turn stops there."""
+        `gate`: asked before each admission (`AdmissionGate.admits`); None admits up to the limit.
+        `judge`: how a finished output is judged (`agents.rewards.judge`'s signature).
+        `turn_barrier`: hold each batch's problems at every turn until the whole batch has finished it."""
         self.cfg, self.rc = cfg, cfg.rollout
         self.store, self.run_id = store, run_id
         self.engines = engine if isinstance(engine, dict) else {a: engine for a in (SOLVER, VERIFIER, CORRECTOR)}
         self.engine = self.engines[SOLVER]
         self.tokenizer, self.roles = tokenizer, roles
-        self.problems = problems
-        self.max_problems = max_problems
+        self.waiting: deque[tuple[int | None, Problem]] = deque((None, p) for p in problems)
         self.rng = random.Random(seed)
         self.seed = seed
         self.states: dict[str, ProblemState] = {}
-        self.admitted = 0
         self.offers = PolicyOffers(self.engines)
-        self.exhausted = False
         self.context = getattr(self.engine, "max_positions", None) or getattr(self.engine, "max_model_len", None)
-        self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0}
+        self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0, "gated_stages": 0}
+        self.started_groups: Counter[str] = Counter()  # groups this scheduler created, per agent
+        self.stored_groups: Counter[str] = Counter()  # and those of them its appends stored
+        self.dropped: Counter[int | None] = Counter()  # problems dropped unadmitted, per batch
         self.synchronous = self.rc.synchronous
-        self.max_decode_turn: int | None = None  # set by run_turn: decode only turns up to this one
         self.newer_policy = newer_policy
-        self.interrupted = interrupted
+        self.gate = gate
+        self.judge = judge
+        self.turn_barrier = turn_barrier
 
     # ------------------------------------------------------------------ policy versions
     @property
@@ -120,10 +130,10 @@ class RolloutScheduler:
         self.offers.offer(version, weights)
 
     def _apply_pending(self) -> bool:
-        """Apply an offered policy unless an in-flight sample would then span more than `max_staleness`
+        """Apply an offered policy unless an in-flight sample would then span more than `max_version_span`
         versions; False when it was deferred."""
         oldest = min((s.start_version for s in self.in_flight() if s.start_version is not None), default=None)
-        applied = self.offers.apply(self.version, oldest, self.rc.max_staleness)
+        applied = self.offers.apply(self.version, oldest, self.rc.max_version_span)
         if not applied:
             self.stats["deferred_updates"] += 1
         return applied
@@ -133,11 +143,9 @@ class RolloutScheduler:
         """Unlink the samples (a parent lists its children, each child names its parent: a reference
         cycle), so that dropping the scheduler frees them at once instead of at the garbage collector's
         next full pass; the scheduler is not used afterwards."""
-        for st in self.states.values():
-            for samples in st.turns.values():
-                for sample in samples:
-                    sample.children.clear()
-        self.states.clear()
+        for batch in {st.batch for st in self.states.values()}:
+            self.forget_batch(batch)
+        self.waiting.clear()
 
     def in_flight(self) -> list[Sample]:
         return [
@@ -149,11 +157,45 @@ class RolloutScheduler:
         return sum(not st.done for st in self.states.values())
 
     def finished(self) -> bool:
-        """No problem in flight and no more to admit."""
-        return self.active_problems == 0 and (self.exhausted or self._at_problem_limit())
+        """No problem in flight and none waiting for admission."""
+        return self.active_problems == 0 and not self.waiting
 
-    def _at_problem_limit(self) -> bool:
-        return self.max_problems is not None and self.admitted >= self.max_problems
+    def add_problems(self, problems: Iterable[Problem], batch: int | None = None) -> int:
+        """Problems of batch `batch`: those the store holds already are resumed from it (`resume`), the
+        others wait for admission, in order. Returns how many stored samples were restored."""
+        problems = list(problems)
+        restored = self.resume({p.problem_id: p for p in problems}, batch)
+        self.waiting.extend((batch, p) for p in problems if p.problem_id not in self.states)
+        return restored
+
+    def forget_batch(self, batch: int | None) -> None:
+        """Let go of batch `batch`'s problems (its flow is done with them)."""
+        for problem_id in [pid for pid, st in self.states.items() if st.batch == batch]:
+            for samples in self.states.pop(problem_id).turns.values():
+                for sample in samples:
+                    sample.children.clear()
+        self.waiting = deque((b, p) for b, p in self.waiting if b != batch)
+
+    def drop_waiting(self) -> int:
+        """Forget the problems not admitted yet (a run that is stopping); returns how many."""
+        self.dropped.update(batch for batch, _ in self.waiting)
+        self.waiting.clear()
+        return sum(self.dropped.values())
+
+    def batch_progress(self, batch: int | None) -> BatchProgress:
+        """What of batch `batch` has started and finished, per turn (see `BatchProgress`)."""
+        progress = BatchProgress(waiting=sum(b == batch for b, _ in self.waiting), dropped=self.dropped[batch])
+        for st in self.states.values():
+            if st.batch != batch:
+                continue
+            progress.problems += 1
+            progress.done_problems += st.done
+            for turn, samples in st.turns.items():
+                progress.add(turn, samples)
+            if not st.done:
+                current = max(st.turns, default=-1)
+                progress.open_turns.append((current, all(s.finish for s in st.turns.get(current, ()))))
+        return progress
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -183,6 +225,7 @@ class RolloutScheduler:
             )
             return []
         group_id = uuid.uuid4().hex
+        self.started_groups[agent] += 1
         samples = [
             Sample(f"{group_id}-{i}", problem, agent, turn, group_id, prompt_ids, budget, parent) for i in range(size)
         ]
@@ -195,16 +238,16 @@ class RolloutScheduler:
         if self.synchronous and self.active_problems:  # the baseline admits a new batch only when idle
             return []
         limit = self.rc.problems_per_batch * (1 if self.synchronous else self.rc.batches_in_flight)
-        while self.active_problems < limit and not self._at_problem_limit():
-            try:
-                problem = next(self.problems)
-            except StopIteration:
-                self.exhausted = True
-                break
+        while self.waiting and self.active_problems < limit:
+            batch, problem = self.waiting[0]
             if problem.problem_id in self.states:  # admitted before a resume
+                self.waiting.popleft()
                 continue
-            self.admitted += 1
-            state = ProblemState(problem)
+            if self.gate is not None and not self.gate.admits(self.started_groups, self.stored_groups, self.version):
+                self.stats["gated_stages"] += 1
+                break
+            self.waiting.popleft()
+            state = ProblemState(problem, batch=batch)
             self.states[problem.problem_id] = state
             group = self._new_group(
                 problem,
@@ -230,7 +273,7 @@ class RolloutScheduler:
         if self._apply_pending():
             created = self._admit(rejected)
             report.admitted = len({s.problem.problem_id for s in created})
-        active = [s for s in self.in_flight() if self.max_decode_turn is None or s.turn <= self.max_decode_turn]
+        active = self.in_flight()
         segments: list[SegmentRow] = []
         rewards: list[RewardRow] = []
         if active:
@@ -244,6 +287,7 @@ class RolloutScheduler:
                 )
                 for s, p in zip(active, sampling)
             ]
+            report.decoded = len(active)
             for sample, result in zip(active, self._decode(active, requests)):
                 sample.token_ids.extend(result.token_ids)
                 sample.versions.extend([result.policy_version] * len(result.token_ids))
@@ -268,13 +312,16 @@ class RolloutScheduler:
                     report.finished += 1
                     if self.rc.reward_mode == "decoupled":
                         rewards.append(self._reward_row(sample, sample.judgement.reward))
+        held = self._batches_still_on_their_turn() if self.turn_barrier else set()
         for state in self.states.values():
-            if not state.done:
+            if not state.done and state.batch not in held:
                 created += self._advance(state, rejected, rewards)
         report.new_samples = len(created)
         crash_point("rollout.append")
         stored = self.store.append(self.run_id, [self._sample_row(s) for s in created], segments, rewards)
-        if not stored.written:
+        if stored.written:
+            self.stored_groups.update(agent for agent, _ in {(s.agent, s.group_id) for s in created})
+        else:
             raise RolloutBehindStore(
                 f"run {self.run_id!r}: a stage found rows it decoded stored already ({stored.describe()}); "
                 "nothing of it was written, and a retry of the turn resumes from the store"
@@ -302,7 +349,7 @@ class RolloutScheduler:
         """Decode a finished sample's text and judge it (its reward and what was parsed)."""
         sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         judged = sample.parent.solution.judgement.correct if sample.agent == VERIFIER else None
-        sample.judgement = judge(
+        sample.judgement = self.judge(
             sample.agent,
             sample.text,
             reference=sample.problem.answer,
@@ -310,6 +357,14 @@ class RolloutScheduler:
             truncated=sample.finish == "budget",
             truncated_reward=self.rc.truncated_reward,
         )
+
+    def _batches_still_on_their_turn(self) -> set[int | None]:
+        """The batches with a sample still decoding (`turn_barrier`: none of their problems advances)."""
+        return {
+            st.batch
+            for st in self.states.values()
+            if not st.done and any(s.finish is None for s in st.turns[max(st.turns)])
+        }
 
     def _advance(self, state: ProblemState, rejected, rewards: list[RewardRow]) -> list[Sample]:
         """Create the next turn's groups once the current turn has finished; close the problem when done."""
@@ -371,28 +426,14 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ driving
     def run(self, max_stages: int | None = None) -> list[StageReport]:
-        """Run stages until every admitted problem is done and no more can be admitted."""
+        """Run stages until every problem is done and none is waiting."""
         reports = []
         while not self.finished() and (max_stages is None or len(reports) < max_stages):
             reports.append(self.stage())
         return reports
 
-    def run_turn(self, turn: int) -> list[StageReport]:
-        """Decode turn `turn` of the admitted problems to its end (a Prefect task's unit of work); the
-        next turn's groups are created and stored but left for the next task."""
-        self.max_decode_turn = turn
-        reports: list[StageReport] = []
-        while not reports or any(s.turn <= turn for s in self.in_flight()):
-            if self.interrupted is not None and self.interrupted():
-                raise RolloutInterrupted(
-                    f"run {self.run_id!r}, turn {turn}: interrupted after {len(reports)} "
-                    "stages; what they decoded is stored and a resume continues it"
-                )
-            reports.append(self.stage())
-        return reports
-
     # ------------------------------------------------------------------ resume
-    def resume(self, problems_by_id: dict[str, Problem]) -> int:
-        """Rebuild the state of the problems in `problems_by_id` from the store (`resume.restore`);
-        returns how many samples were restored."""
-        return restore(self, problems_by_id)
+    def resume(self, problems_by_id: dict[str, Problem], batch: int | None = None) -> int:
+        """Rebuild the state of the problems in `problems_by_id` (of batch `batch`) from the store
+        (`resume.restore`); returns how many samples were restored."""
+        return restore(self, problems_by_id, batch)

@@ -1,9 +1,10 @@
 """The process context: what one worker process holds for the runs it works on.
 
 A worker process (a `marsrl` command, a Prefect worker's flow run) keeps one store connection per
-store, one engine per policy (wrapped in a `BatchingEngine`, so that concurrent rollout tasks share
-segment batches: the agentic pipeline), one learner and one MLflow run per training run, and the set
-of runs it is stopping. `Runtime` holds them, created on first use and shared by every thread of the
+store, one engine per policy (wrapped in a `BatchingEngine`, shared by the decode loop and the
+evaluations), one decode loop per training run (`RolloutLoop`: every batch in flight decodes in it,
+the agentic pipeline), one learner and one MLflow run per training run, and the set of runs it is
+stopping. `Runtime` holds them, created on first use and shared by every thread of the
 process; `runtime()` is the process's one instance. Its first store also starts the process's
 `MemoryTrimmer` (every `malloc_trim_every_s` of that first config).
 
@@ -27,6 +28,7 @@ import transformers  # noqa: F401  (imported here, once: lazy imports from sever
 from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.engines.batching import BatchingEngine
 from marsrl_core.learn.checkpoint import checkpoint_root
+from marsrl_core.rollout.loop import RolloutLoop
 from marsrl_core.runtime.memory import MemoryTrimmer
 from marsrl_core.runtime.policy import make_engine, policy_folder
 from marsrl_core.store import SegmentStore, Store
@@ -51,6 +53,7 @@ class Runtime:
         self._interrupted: set[str] = set()
         self._trimmer: MemoryTrimmer | None = None
         self._published: dict[str, tuple[int, Any]] = {}  # run -> (committed version, its weights)
+        self._loops: dict[str, RolloutLoop] = {}
 
     # ------------------------------------------------------------------ services
     def store(self, cfg: MarsRLConfig) -> Store:
@@ -73,11 +76,29 @@ class Runtime:
                 self._engines[key] = BatchingEngine(make_engine(cfg, folder))
             return self._engines[key]
 
+    def use_engine(self, cfg: MarsRLConfig, engine: Any, agent: str = "policy") -> BatchingEngine:
+        """Make `engine` (any object with the engine interface: `decode_segment`, `update_weights`,
+        `tokenizer`, `policy_version`) the one this process uses for `cfg`'s policy and `agent`."""
+        key = (str(policy_folder(cfg)), cfg.engine.name, agent)
+        with self._lock:
+            self._engines[key] = engine if isinstance(engine, BatchingEngine) else BatchingEngine(engine)
+            return self._engines[key]
+
     def has_engine(self, cfg: MarsRLConfig) -> bool:
         """Whether this process holds an engine for `cfg`'s policy."""
         folder, name = str(policy_folder(cfg)), cfg.engine.name
         with self._lock:
             return any(key[:2] == (folder, name) for key in self._engines)
+
+    def rollout_loop(self, run_id: str, make_scheduler: Any) -> RolloutLoop:
+        """The run's decode loop in this process (`rollout/loop.py`), made with `make_scheduler` when it
+        has none or its last one ended (an interrupt, repeated failures)."""
+        with self._lock:
+            loop = self._loops.get(run_id)
+            if loop is None or loop.ended:
+                interrupted = lambda: self.interrupted(run_id)  # noqa: E731
+                loop = self._loops[run_id] = RolloutLoop(make_scheduler, interrupted=interrupted)
+            return loop
 
     # ------------------------------------------------------------------ weights in memory
     def publish_weights(self, run_id: str, version: int, weights: Any) -> None:
@@ -182,6 +203,9 @@ class Runtime:
         """Close the stores (and their child processes), forget the learners that use them and end their
         leases; the next call opens afresh."""
         with self._lock:
+            for loop in self._loops.values():
+                loop.close()
+            self._loops.clear()
             stores = list(self._stores.values())
             self._stores.clear()
             self._learners.clear()

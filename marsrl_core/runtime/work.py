@@ -5,16 +5,13 @@ one to the next goes through the store.
 - `check_inputs(cfg)`: fail at once, with one line, on a dataset the run cannot use.
 - `start_run`, `resumed_config`: record a run; read back the config it was started with.
 - `record_batch(cfg, run_id, b)`: the problems of batch `b` (`runtime.batches`), stored.
-- `rollout_turn(cfg, run_id, b, turn)`: decode turn `turn` of batch `b` to its end, unless the run is
-  interrupted in this process first (`RolloutInterrupted` at a stage boundary).
-- `mark_batch_done(cfg, run_id, b)`: record that batch `b` has ended (a resumed run skips it).
+- `start_batch`, `turn_starts`, `rollout_turn`, `end_batch`: batch `b` in the run's decode loop
+  (`rollout/loop.py`): it joins, a turn's first group starts, a turn's last group finishes, the batch
+  ends (and is marked done, so a resumed run skips it).
 - `ready_groups(cfg, run_id, flush)`: the groups a learner step would take now (the learner flow's poll).
 - `train_step(cfg, run_id, groups)`: one learner step on those groups (or on what is ready).
 - `evaluate`, `log_reward_curves`, `compact`: evaluation before/after, MLflow's reward curves, and
   store maintenance.
-
-Deliberate simplification: with several rollout flows sharing an engine, the staleness bound is
-enforced per rollout turn, not across them.
 """
 
 from __future__ import annotations
@@ -25,9 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from marsrl_core.agents.problems import DatasetError
-from marsrl_core.config import AGENTS, ConfigError, MarsRLConfig, build_config
+from marsrl_core.config import AGENTS, ConfigError, MarsRLConfig, build_config, migrate_renamed
 from marsrl_core.learn.checkpoint import agent_folders
 from marsrl_core.learn.groups import ready_groups as _ready_groups
+from marsrl_core.rollout.gate import AdmissionGate
+from marsrl_core.rollout.loop import RolloutLoop
 from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.runtime import events
 from marsrl_core.runtime.batches import batch_problems, training_rejections, training_set
@@ -58,7 +57,7 @@ def resumed_config(cfg: MarsRLConfig, run_id: str) -> MarsRLConfig:
     stored = runtime().store(cfg).run_config(run_id)
     if stored is None:
         raise ConfigError(f"--resume {run_id!r}: no such run in the store {cfg.store.catalog_url!r}")
-    return build_config({**stored, "store": cfg.store.model_dump(mode="json")})
+    return build_config({**migrate_renamed(stored), "store": cfg.store.model_dump(mode="json")})
 
 
 def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
@@ -70,10 +69,6 @@ def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
         store.reject(run_id, training_rejections(cfg))
     known = store.known_problems(run_id, [p.problem_id for p in problems])
     return store.add_problems(run_id, [p for p in problems if p.problem_id not in known])
-
-
-def mark_batch_done(cfg: MarsRLConfig, run_id: str, batch_index: int) -> None:
-    runtime().store(cfg).mark(run_id, events.batch_done(batch_index))
 
 
 def _newer_policy(store: Store, run_id: str, current_version: int, *, per_agent: bool):
@@ -111,36 +106,63 @@ def _serve_run(cfg: MarsRLConfig, store: Store, run_id: str, engines: Any) -> No
         engine.serve_run(run_id, latest[0] if latest else 0, folders[agent])
 
 
-def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> dict[str, int]:
-    """Decode turn `turn` of batch `batch_index`; returns counts for the task's result."""
+def _make_scheduler(cfg: MarsRLConfig, run_id: str) -> RolloutScheduler:
+    """The run's scheduler on this process's engines, paced by the learner (`AdmissionGate`) unless the
+    run is synchronous or `learner.max_trained_age` is None."""
     rt = runtime()
     store, engines = rt.store(cfg), rt.engines(cfg)
     _serve_run(cfg, store, run_id, engines)
     tokenizer = (engines["solver"] if isinstance(engines, dict) else engines).tokenizer
-    problems = batch_problems(cfg, batch_index)
-    scheduler = RolloutScheduler(
+    age = cfg.learner.max_trained_age
+    gate = None
+    if not cfg.rollout.synchronous and age is not None:
+        gate = AdmissionGate(store, run_id, cfg.learner.groups_per_step_by_agent(), age)
+    return RolloutScheduler(
         cfg,
         store,
         run_id,
         engines,
         tokenizer,
         roles_from_config(cfg),
-        iter(problems if turn == 0 else ()),
-        seed=cfg.seed * 7919 + batch_index * 31 + turn,
+        seed=cfg.seed * 7919,
         newer_policy=functools.partial(_newer_policy, store, run_id, per_agent=isinstance(engines, dict)),
-        interrupted=functools.partial(rt.interrupted, run_id),
+        gate=gate,
     )
-    scheduler.resume({p.problem_id: p for p in problems})
-    try:
-        reports = scheduler.run_turn(turn)
-    finally:  # the samples form reference cycles: free them now, not at the collector's next full pass
-        scheduler.release()
-    return {
-        "stages": len(reports),
-        "tokens": sum(r.tokens for r in reports),
-        "finished": sum(r.finished for r in reports),
-        "new_samples": sum(r.new_samples for r in reports),
-    }
+
+
+def rollout_loop(cfg: MarsRLConfig, run_id: str) -> RolloutLoop:
+    """The run's decode loop in this process."""
+    return runtime().rollout_loop(run_id, functools.partial(_make_scheduler, cfg, run_id))
+
+
+def start_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> None:
+    """Batch `batch_index` joins the run's decode loop: stored samples resume, new problems wait to be
+    admitted."""
+    rollout_loop(cfg, run_id).add_batch(batch_index, batch_problems(cfg, batch_index))
+
+
+def turn_starts(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> bool:
+    """Wait until turn `turn` of the batch has its first group (True) or never will (False)."""
+    progress = rollout_loop(cfg, run_id).wait(batch_index, lambda p: p.started(turn) or p.final(turn))
+    return progress.started(turn)
+
+
+def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> dict[str, int]:
+    """Wait until every group of turn `turn` of the batch has finished; its samples, finished samples
+    and tokens. The decode loop does the decoding; this is the turn's span of it."""
+    progress = rollout_loop(cfg, run_id).wait(batch_index, lambda p: p.final(turn))
+    return {"samples": progress.samples[turn], "finished": progress.finished[turn], "tokens": progress.tokens[turn]}
+
+
+def end_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> bool:
+    """Wait until nothing of the batch decodes or waits; mark it done (a resumed run skips it) if all
+    its problems were decoded, and let the loop forget it. Whether it was complete."""
+    loop = rollout_loop(cfg, run_id)
+    progress = loop.wait(batch_index, lambda p: p.ended)
+    if progress.complete:
+        runtime().store(cfg).mark(run_id, events.batch_done(batch_index))
+    loop.forget_batch(batch_index)
+    return progress.complete
 
 
 def ready_groups(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> list[TrainableGroup]:

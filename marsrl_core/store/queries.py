@@ -199,6 +199,19 @@ class StoreQueries(StoreConnection):
         ).to_pylist()
         return (rows[0]["version"], rows[0]["checkpoint_uri"]) if rows else None
 
+    def group_counts(self, run_id: str) -> dict[str, dict[str, int]]:
+        """Per agent: the run's groups started (any sample stored) and consumed (a learner step took them:
+        trained, or dropped as stale). The admission gate's reading of the learner's progress."""
+        rows = self._read(
+            f"""SELECT s.agent, count(DISTINCT s.group_id) AS started,
+                       count(DISTINCT s.group_id) FILTER (WHERE c.sample_id IS NOT NULL) AS consumed
+                FROM {CATALOG}.samples s
+                LEFT JOIN {CATALOG}.consumptions c ON c.run_id = s.run_id AND c.sample_id = s.sample_id
+                WHERE s.run_id = ? GROUP BY s.agent""",
+            [run_id],
+        ).to_pylist()
+        return {r["agent"]: {"started": r["started"], "consumed": r["consumed"]} for r in rows}
+
     def invariants(self, run_id: str) -> dict[str, int]:
         """The run's exactly-once invariants (`store/invariants.py`): offending keys per invariant, all 0
         in a healthy run."""
