@@ -49,19 +49,13 @@ def prefill_figures(batch: int = 16, prompt_tokens: int = 300, vocab: int = 1519
     that has only the pad and EOS ids the engine reads)."""
     from types import SimpleNamespace
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
+
+    from tests.qwen3 import qwen3_config
 
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-    )
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = qwen3_config(1024, vocab_size=vocab, tie_word_embeddings=False, **shape)
     engine = HFEngine(Qwen3ForCausalLM(config), SimpleNamespace(eos_token_id=vocab - 1, pad_token_id=vocab - 2))
     prompts = [torch.randint(0, vocab - 2, (prompt_tokens,)).tolist() for _ in range(batch)]
     requests = [SegmentRequest(p, (), 1, SamplingParams(temperature=1.0, seed=i)) for i, p in enumerate(prompts)]

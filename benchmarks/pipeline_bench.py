@@ -1,27 +1,28 @@
-"""Pipeline benchmark: wall-clock to the same learner steps, the pipelined train flow vs the synchronous one.
+"""Pipeline benchmark: the pipelined train flow against the synchronous one, and the paper-scale simulation.
 
 1. On this CPU, for real: the train flow that `make train` runs (`flows.train.train_flow`: rollout
-   subflows per batch, `batches_in_flight` decoding at once beside the learner flow, DuckLake store,
-   MLflow, Prefect) against the same flow with `rollout.synchronous=true` (what `marsrl ablate
+   subflows feeding one decode loop, `batches_in_flight` at once, beside the learner flow; DuckLake
+   store, MLflow, Prefect) against the same flow with `rollout.synchronous=true` (what `marsrl ablate
    synchronous` runs: each batch decoded whole, then trained on, then the next). Both start from the
    tiny preset's committed warm start with the same seed and step budget, evaluation off; the clock is
    the flow's `train_wall_clock_s` (first rollout to the learner's last step). Runs alternate, so load on
-   this shared machine hits both alike; the figure is the ratio of the medians.
-2. At paper scale, with the discrete-event model in `marsrl_core/rollout/simulate.py` (its docstring
-   states the assumptions and which rules it shares with the flows): the speed-up, utilisations, and how
-   they move with segment size, staleness and batches in flight.
-
-An update holds what is ready when the learner takes it, so the two variants' updates can differ in
-size: the benchmark also reports the samples trained per second. Per variant it counts the samples
-finished and those the learner dropped untrained as older than `learner.max_trained_age`.
+   this shared machine hits both alike; the figures are medians. A step holds what is ready when the
+   learner takes it, so the variants' steps differ in size: besides the wall-clock to the same steps
+   (`cpu_speedup`) it reports trained samples per second (`cpu_trained_samples_per_s_ratio`, the fairer
+   figure), the engine's mean decode batch and each pair's training reward against wall-clock
+   (`benchmarks/results/pipeline_reward.png`).
+2. At paper scale, `marsrl_core/rollout/simulate.py` (the real scheduler, gate and learner readiness
+   rule on a simulated engine and clock; its docstring states the assumptions): synchronous, the
+   per-batch turn barrier and the shipped streaming rule side by side, to the same trained samples, with
+   the fleet's and the learner's busy fractions per agent and the age of trained samples; then the
+   streaming speed-up by segment size, `max_version_span` and batches in flight.
 
 Run: `python benchmarks/pipeline_bench.py` (`--repeats 3` by default; `--set KEY=VALUE` overrides both
 variants, and the results then go to pipeline_variant.json). Writes benchmarks/results/pipeline.json
-with cpu_speedup (synchronous over pipelined wall-clock to `cpu_steps` learner steps),
-stale_drop_fraction (the pipelined runs' median of samples dropped untrained, as stale or masked, over
-those the learner consumed: `work.sample_accounting`),
-cpu_speedup_each_run, cpu_trained_samples_per_s_ratio, the per-variant figures,
-sim_speedup_paper_scale and the sweeps.
+with cpu_speedup, cpu_trained_samples_per_s_ratio, cpu_speedup_each_run, cpu_decode_batch_mean,
+stale_drop_fraction (the pipelined runs' median of samples dropped untrained over those consumed:
+`work.sample_accounting`), the per-variant figures, sim_speedup_paper_scale (streaming),
+sim_speedup_batch_barrier, sim_paper_scale and the sweeps.
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ def flow_run(root: Path, synchronous: bool, repeat: int, overrides: tuple[str, .
 
     wall = result["train_wall_clock_s"]
     trained = one("SELECT count(*) FROM consumptions WHERE run_id = ? AND learner_step > 0")
+    rewards = store.query(
+        """SELECT epoch(created_at) - (SELECT epoch(min(created_at)) FROM segments WHERE run_id = $1) AS t,
+                  avg(reward_mean) AS reward
+           FROM train_step_metrics WHERE run_id = $1 AND reward_mean IS NOT NULL GROUP BY step, created_at
+           ORDER BY step""",
+        [tag],
+    ).to_pylist()
     figures = {
         "wall_clock_s": wall,
         "steps": result["learner_steps"],
@@ -81,9 +89,37 @@ def flow_run(root: Path, synchronous: bool, repeat: int, overrides: tuple[str, .
         "trained_samples_per_s": trained / wall,
         "dropped_stale_samples": one("SELECT count(*) FROM consumptions WHERE run_id = ? AND learner_step < 0"),
         "stale_drop_fraction": result["samples"]["stale_drop_fraction"],
+        "decode_batch_mean": result["rollout"]["decode_batch_mean"],
+        "reward_curve": [(r["t"], r["reward"]) for r in rewards],
     }
     store.close()
     return figures
+
+
+def plot_reward_curves(runs: dict[str, list[dict]]) -> Path:
+    """Each pair's mean training reward (over the agents, per learner step) against wall-clock from the
+    first rollout, both variants on one panel; written to benchmarks/results/pipeline_reward.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    pairs = len(runs["pipe"])
+    figure, axes = plt.subplots(1, pairs, figsize=(4.5 * pairs, 3.4), sharey=True, squeeze=False)
+    for i, ax in enumerate(axes[0]):
+        for key, label in (("pipe", "pipelined"), ("sync", "synchronous")):
+            points = runs[key][i]["reward_curve"]
+            ax.plot([t for t, _ in points], [r for _, r in points], marker=".", label=label)
+        ax.set_title(f"pair {i + 1}")
+        ax.set_xlabel("seconds since the first rollout")
+    axes[0][0].set_ylabel("training reward (mean over agents)")
+    axes[0][0].legend()
+    figure.tight_layout()
+    path = Path(__file__).parent / "results" / "pipeline_reward.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 def main() -> None:
@@ -123,6 +159,7 @@ def main() -> None:
         "trained_samples",
         "dropped_stale_samples",
         "stale_drop_fraction",
+        "decode_batch_mean",
     ]
     print_rows(
         f"the train flow (make train's configuration), wall-clock to {pipe['steps']} learner steps",
@@ -134,35 +171,47 @@ def main() -> None:
         + ", ".join(f"{x:.2f}x" for x in each)
     )
     print(f"trained samples per second, pipelined / synchronous (median of the pairs): {samples_ratio:.2f}x")
+    figure = plot_reward_curves(runs)
 
     base = SimConfig()
     paper = compare(base)
+    measures = [
+        "speedup",
+        "wall_clock_h",
+        "learner_steps",
+        "trained_samples",
+        "fleet_busy",
+        "fleet_token_use",
+        *[f"fleet_busy_{a}" for a in ("solver", "verifier", "corrector")],
+        "learner_busy",
+        *[f"learner_busy_{a}" for a in ("solver", "verifier", "corrector")],
+        "trained_age_mean",
+        "trained_age_max",
+        "decode_batch_mean",
+    ]
     print_rows(
-        "paper-scale model (simulate.py): 128 problems x (8 + 4 x 16) samples, 8 updates",
-        ["measure", "synchronous", "pipelined"],
-        [
-            ["wall-clock h", paper["sync_wall_s"] / 3600, paper["pipelined_wall_s"] / 3600],
-            ["learner utilisation", paper["sync_learner_util"], paper["pipelined_learner_util"]],
-            ["rollout utilisation", paper["sync_rollout_util"], paper["pipelined_rollout_util"]],
-        ],
+        f"paper-scale simulation (simulate.py: the real scheduler, gate and learner rule), {base.problems_per_batch}"
+        f" problems a batch, to the synchronous run's {paper['synchronous']['trained_samples']} trained samples",
+        ["measure", *paper],
+        [[m, *[paper[mode][m] for mode in paper]] for m in measures],
     )
-    print(f"simulated speed-up at paper scale: {paper['speedup']:.2f}x")
-    segments = {str(s): compare(replace(base, segment_tokens=s))["speedup"] for s in (4096, 8192, 16384, 32768, 65536)}
-    staleness = {str(s): compare(replace(base, max_staleness=s))["speedup"] for s in (0, 1, 2, 4)}
-    in_flight = {str(b): compare(replace(base, batches_in_flight=b))["speedup"] for b in (1, 2, 3)}
-    print_rows(
-        "simulated speed-up by segment size (staleness 2)",
-        ["segment tokens", "speed-up"],
-        [[k, v] for k, v in segments.items()],
+    print(
+        f"simulated speed-up at paper scale: streaming {paper['streaming']['speedup']:.2f}x, "
+        f"per-batch turn barrier {paper['batch_barrier']['speedup']:.2f}x"
     )
-    print_rows(
-        "simulated speed-up by max_staleness (16K segments)",
-        ["max_staleness", "speed-up"],
-        [[k, v] for k, v in staleness.items()],
-    )
-    print_rows(
-        "simulated speed-up by batches in flight", ["batches", "speed-up"], [[k, v] for k, v in in_flight.items()]
-    )
+    pair = ("synchronous", "streaming")
+    segments = {str(t): compare(replace(base, segment_tokens=t), pair)["streaming"]["speedup"] for t in (8192, 32768)}
+    segments[str(base.segment_tokens)] = paper["streaming"]["speedup"]
+    spans = {str(v): compare(replace(base, max_version_span=v), pair)["streaming"]["speedup"] for v in (0, 1)}
+    spans[str(base.max_version_span)] = paper["streaming"]["speedup"]
+    in_flight = {str(b): compare(replace(base, batches_in_flight=b), pair)["streaming"]["speedup"] for b in (1, 3)}
+    in_flight[str(base.batches_in_flight)] = paper["streaming"]["speedup"]
+    for title, column, sweep in (
+        ("simulated streaming speed-up by segment size", "segment tokens", segments),
+        ("simulated streaming speed-up by max_version_span", "max_version_span", spans),
+        ("simulated streaming speed-up by batches in flight", "batches", in_flight),
+    ):
+        print_rows(title, [column, "speed-up"], [[k, sweep[k]] for k in sorted(sweep, key=int)])
     path = write_results(
         "pipeline_variant" if overrides else "pipeline",
         {
@@ -176,10 +225,13 @@ def main() -> None:
             "cpu_trained_samples_per_s_ratio": samples_ratio,
             "cpu_synchronous": sync,
             "cpu_pipelined": pipe,
-            "sim_speedup_paper_scale": paper["speedup"],
+            "cpu_decode_batch_mean": {"synchronous": sync["decode_batch_mean"], "pipelined": pipe["decode_batch_mean"]},
+            "reward_figure": str(figure),
+            "sim_speedup_paper_scale": paper["streaming"]["speedup"],
+            "sim_speedup_batch_barrier": paper["batch_barrier"]["speedup"],
             "sim_paper_scale": paper,
             "sim_speedup_by_segment_tokens": segments,
-            "sim_speedup_by_max_staleness": staleness,
+            "sim_speedup_by_max_version_span": spans,
             "sim_speedup_by_batches_in_flight": in_flight,
         },
     )

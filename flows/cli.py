@@ -141,9 +141,9 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from flows.learner import learner_flow
     from flows.server import local_server
     from marsrl_core.learn.distributed import init_ranks, shutdown
-    from marsrl_core.runtime import events
+    from marsrl_core.policy import policy_folder
+    from marsrl_core.runtime import events, work
     from marsrl_core.runtime.context import runtime
-    from marsrl_core.runtime.policy import policy_folder
 
     cfg = absolute_paths(core_cli._config(args))  # as the learner flow records them
     nproc = args.nproc or cfg.learner.nproc
@@ -155,7 +155,9 @@ def cmd_learn(args: argparse.Namespace) -> int:
     folder = policy_folder(cfg)
     ranks = init_ranks(cfg.learner.collective_timeout_s)  # None in one process
     if ranks is not None and not ranks.main:  # it trains its share of each step rank 0 starts
-        return _follow(cfg, args.run_id, folder, ranks)
+        work.follow_learner(cfg, args.run_id, folder, ranks)
+        shutdown()
+        return 0
     # Built before Prefect starts (under the run's one-learner lease, from its last checkpoint): a second
     # learner of the run or a bad checkpoint is one line, not a flow's traceback.
     learner = runtime().learner(cfg, args.run_id)
@@ -176,19 +178,6 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 def _is_nproc(argv: list[str], i: int) -> bool:
     return argv[i] == "--nproc" or argv[i].startswith("--nproc=") or (i > 0 and argv[i - 1] == "--nproc")
-
-
-def _follow(cfg, run_id: str, folder: Path, ranks) -> int:
-    """A learner rank > 0: no store, no MLflow, no Prefect; it resumes with rank 0 and follows it."""
-    from marsrl_core.learn.checkpoint import checkpoint_root
-    from marsrl_core.learn.distributed import shutdown
-    from marsrl_core.learn.learner import Learner
-
-    learner = Learner(cfg, None, run_id, folder, checkpoint_root(cfg.output_dir, run_id), ranks=ranks)
-    learner.resume()
-    learner.follow()
-    shutdown()
-    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -18,13 +18,13 @@ from typing import Any
 
 from prefect import flow
 
-from flows.logs import say
 from flows.params import run_config
 from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 from tasks.evaluation import compact
 from tasks.learner import train_step
+from tasks.logs import say
 
 MAX_IDLE_POLL_S = 1.0  # the longest wait between two polls of an idle learner
 

@@ -10,21 +10,7 @@ from __future__ import annotations
 
 import logging
 
-MARK = "marsrl_line"  # the attribute `say` puts on its log records
-
-
-def say(message: str) -> None:
-    """A line for the user: the current Prefect run's log (and the terminal, quiet or not); outside a run,
-    a plain print."""
-    from prefect.exceptions import MissingContextError
-    from prefect.logging import get_run_logger
-
-    try:
-        logger = get_run_logger()
-    except MissingContextError:
-        print(message, flush=True)
-        return
-    logger.info(message, extra={MARK: True})
+from tasks.logs import MARK
 
 
 class _Quiet(logging.Filter):

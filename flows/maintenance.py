@@ -6,10 +6,10 @@ from typing import Any
 
 from prefect import flow
 
-from flows.logs import say
 from flows.params import run_config
 from marsrl_core.config import MarsRLConfig, default_config
 from tasks.evaluation import compact
+from tasks.logs import say
 
 
 @flow(name="maintenance", log_prints=True)

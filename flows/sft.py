@@ -7,9 +7,9 @@ from typing import Any
 
 from prefect import flow
 
-from flows.logs import say
 from flows.params import run_config
 from marsrl_core.config import MarsRLConfig, default_config
+from tasks.logs import say
 from tasks.sft import warm_start
 
 

@@ -30,7 +30,6 @@ from prefect.settings import get_current_settings
 
 from flows.evaluate import artifact_key, evaluate_flow
 from flows.learner import learner_flow
-from flows.logs import say
 from flows.params import run_config
 from flows.rollout import rollout_flow, run_batches
 from flows.sft import sft_flow
@@ -40,6 +39,7 @@ from marsrl_core.devices import learner_gpus
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 from marsrl_core.runtime.report import report_markdown
+from tasks.logs import say
 
 
 def _learner_subflow(config: MarsRLConfig, run_id: str) -> int:
@@ -121,14 +121,16 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
                 raise
     result["train_wall_clock_s"] = time.perf_counter() - start
     result["samples"] = work.sample_accounting(config, run_id)
+    result["rollout"] = work.rollout_stats(config, run_id)
     curves = work.log_reward_curves(config, run_id)
+    timeline = work.log_timeline(config, run_id)
     if evaluate_after and steps:
         latest = store.latest_version(run_id)
         result["after"] = store.evaluation(run_id, "after") or evaluate_flow(config, run_id, "after", latest[1])
     reports = {label: result[label] for label in ("before", "after") if result.get(label)}
     create_markdown_artifact(  # the run's page in the Prefect UI shows its results
         key=artifact_key(run_id),
-        markdown=report_markdown(run_id, reports, curves),
+        markdown=report_markdown(run_id, reports, curves, timeline),
         description=f"MarsRL run {run_id}: evaluation before and after training, reward curves",
     )
     return result

@@ -72,6 +72,7 @@ USAGE = {
     ),
     "compact": (["store.catalog_url", "store.compaction_retention_minutes"], "marsrl compact --config run.yaml"),
     "check": (["store.catalog_url", "store.data_path"], "marsrl check marsrl-1a2b3c4d"),
+    "timeline": (["store.catalog_url", "store.data_path"], "marsrl timeline marsrl-1a2b3c4d --out timeline.svg"),
 }
 
 
@@ -126,6 +127,11 @@ def cmd_sql(args: argparse.Namespace) -> int:
             console.print(f"[red]error:[/red] {str(err).splitlines()[0]}")
 
 
+def _timeline_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("run", help="The run to draw.")
+    command.add_argument("--out", default=None, help="The picture to write, .png or .svg (default timeline-RUN.png).")
+
+
 def _print_result(result, fmt: str) -> None:
     from marsrl_core.store.console import render
 
@@ -163,6 +169,25 @@ def cmd_check(args: argparse.Namespace) -> int:
         mark = "ok    " if count == 0 else "BROKEN"
         console.print(f"{mark} {name:<26} {count:>6}  {INVARIANTS[name][0]}", highlight=False, soft_wrap=True)
     return 1 if any(counts.values()) else 0
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    """Draw the run's timeline (`rollout/timeline.py`) from its store."""
+    from pathlib import Path
+
+    from marsrl_core.rollout.timeline import timeline_from_store, write_timeline
+    from marsrl_core.store import SegmentStore, StoreError
+    from marsrl_core.store.console import locate
+
+    store = SegmentStore.from_config(locate(_config(args).store), create=False, read_only=True)
+    if store.run_config(args.run) is None:
+        raise StoreError(f"run {args.run!r}: no such run in the store {store.catalog_url!r}")
+    timeline = timeline_from_store(store, args.run)
+    if not timeline.stages:
+        raise StoreError(f"run {args.run!r}: no rollout stage stored yet")
+    path = write_timeline(timeline, f"timeline of run {args.run}", Path(args.out or f"timeline-{args.run}.png"))
+    console.print(f"{len(timeline.stages)} stages, {len(timeline.steps)} learner steps: {path}", highlight=False)
+    return 0
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
@@ -216,10 +241,12 @@ def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentP
         "sql": (cmd_sql, "Query a run's store with SQL (works while a run is writing)."),
         "compact": (cmd_compact, "DuckLake maintenance: merge small files, expire snapshots."),
         "check": (cmd_check, "Check a run's exactly-once invariants in the store; exit 1 if any is broken."),
+        "timeline": (cmd_timeline, "Draw a run's timeline: what each agent decoded when, and the learner's steps."),
     }
     setups = {
         "sql": _sql_arguments,
         "check": lambda c: c.add_argument("run", help="The run whose store invariants to check."),
+        "timeline": _timeline_arguments,
         "eval": lambda c: c.add_argument(
             "--checkpoint",
             default=None,
@@ -262,8 +289,20 @@ def set_engine_verbosity(verbose: bool) -> None:
             logging.getLogger(logger).setLevel(level)  # where this process has imported it already
 
 
+def offline_and_quiet() -> None:
+    """For this process and its children (store child, learner ranks, vLLM workers): nothing is ever
+    downloaded from a model hub, and transformers' own warnings and progress bars stay off. Set before
+    those libraries are imported (they read the variables then); a variable the user set is kept."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def main(argv: Sequence[str] | None = None, extra_commands: dict | None = None, before: Callable | None = None) -> int:
     """Run one command; `before(args)` runs first (the Prefect layer sets its logging there)."""
+    offline_and_quiet()
     from marsrl_core.agents.problems import DatasetError
     from marsrl_core.engines.base import EngineError
     from marsrl_core.learn.checkpoint import CheckpointError

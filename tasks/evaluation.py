@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.logs import say
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.runtime import work
+from tasks.logs import say
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)

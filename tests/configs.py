@@ -32,6 +32,13 @@ def set_args(tmp_path, **extra) -> list[str]:
     return [arg for key, value in {**overrides, **extra}.items() for arg in ("--set", f"{key}={value}")]
 
 
+def rollout_config(tmp_path, base: dict, **rollout) -> MarsRLConfig:
+    """The tiny preset with its store under `tmp_path` and the `rollout` section's `base` fields, then
+    `rollout` (field=value), over them."""
+    store = [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", f"store.data_path={tmp_path}/data"]
+    return load_config("tiny", None, store + [f"rollout.{k}={v}" for k, v in {**base, **rollout}.items()])
+
+
 def small_config(tmp_path, **extra) -> MarsRLConfig:
     """Everything under `tmp_path`; `extra` overrides dotted keys. One group per agent per step (the
     downstream count is pinned too: override both to change the step's size)."""

@@ -15,6 +15,9 @@ import tempfile
 import pytest
 
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="marsrl-tests-prefect-")
+from marsrl_core.cli import offline_and_quiet  # noqa: E402
+
+offline_and_quiet()  # as the `marsrl` command does: before transformers is imported
 # The flows tested in this process run against Prefect's temporary server, which gets 20 s to start by
 # default; a busy 2-core machine has taken longer, and the first flow of the session then failed.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

@@ -24,7 +24,7 @@ def qwen3_tokenizer_files(folder: Path) -> Path:
 
 def qwen3_config(max_position_embeddings: int = 2048, **shape):
     """A Qwen3Config with Qwen3's real vocabulary and special tokens, tied embeddings, and the small test
-    shape (hidden 32, 2 layers) unless `shape` says otherwise."""
+    shape (hidden 32, 2 layers) unless `shape` says otherwise (any field of the config)."""
     from transformers import Qwen3Config
 
     sizes = dict(
@@ -35,15 +35,8 @@ def qwen3_config(max_position_embeddings: int = 2048, **shape):
         num_key_value_heads=1,
         head_dim=32,
     )
-    return Qwen3Config(
-        vocab_size=151936,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-        pad_token_id=151643,
-        **(sizes | shape),
-    )
+    qwen3 = dict(vocab_size=151936, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+    return Qwen3Config(max_position_embeddings=max_position_embeddings, pad_token_id=151643, **(qwen3 | sizes | shape))
 
 
 def build_qwen3(folder: Path, max_position_embeddings: int = 2048, seed: int = 0) -> Path:

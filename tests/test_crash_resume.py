@@ -1,7 +1,7 @@
 """`marsrl train` killed with SIGKILL again and again, each time resumed with `--resume`.
 
 A seeded schedule of 12 kills lands across rollout, training and checkpoint writing: at crash points
-(`marsrl_core.runtime.faults`: after a rollout stage decoded but before its store append, after an optimizer
+(`marsrl_core.faults`: after a rollout stage decoded but before its store append, after an optimizer
 update, half-way through a checkpoint, between a checkpoint's rename and its store commit, each at a
 random arrival) and at random times. Every kill must land (the process dies of SIGKILL). After every
 kill the store is read from this process; at the end the run must hold

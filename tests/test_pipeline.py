@@ -11,38 +11,28 @@ import pytest
 
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.roles import TINY_TEMPLATES, Roles
-from marsrl_core.config import AGENTS, load_config
+from marsrl_core.config import AGENTS
 from marsrl_core.rollout.gate import AdmissionGate
 from marsrl_core.rollout.loop import RolloutLoop
 from marsrl_core.rollout.scheduler import RolloutScheduler
+from marsrl_core.rollout.weights import WeightChannel
 from marsrl_core.store import SegmentStore
-from tests.configs import assert_exactly_once
+from tests.configs import assert_exactly_once, rollout_config
 from tests.scripted import ScriptedEngine
 
 ROLES = Roles.from_config(base=TINY_TEMPLATES)
 RUN = "pipe"
 
 
+ROLLOUT = {  # two samples a group, one downstream input, 16-token segments, two turns
+    **{"num_generations": 2, "downstream_generations": 2, "select_inputs": 1, "segment_tokens": 16},
+    **dict.fromkeys(("solver_max_tokens", "verifier_max_tokens", "corrector_max_tokens"), 64),
+    **{"problems_per_batch": 2, "max_turns": 2, "explore": 0.0},
+}
+
+
 def _cfg(tmp_path, **rollout):
-    base = {
-        "num_generations": 2,
-        "downstream_generations": 2,
-        "select_inputs": 1,
-        "segment_tokens": 16,
-        "solver_max_tokens": 64,
-        "verifier_max_tokens": 64,
-        "corrector_max_tokens": 64,
-        "problems_per_batch": 2,
-        "max_turns": 2,
-        "explore": 0.0,
-    }
-    base.update(rollout)
-    return load_config(
-        "tiny",
-        None,
-        [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", f"store.data_path={tmp_path}/data"]
-        + [f"rollout.{k}={v}" for k, v in base.items()],
-    )
+    return rollout_config(tmp_path, ROLLOUT, **rollout)
 
 
 def _lengths_script(long_problem: str):
@@ -181,10 +171,6 @@ class _LateLearner:
                 self.store.commit_step(RUN, self.version, consumed, f"ckpt/{self.version}")
             time.sleep(self.step_s)
 
-    def newer_policy(self, current: int):
-        latest = self.store.latest_version(RUN)
-        return (latest[0], None) if latest and latest[0] > current else None
-
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_the_gate_holds_a_late_learners_backlog_to_max_trained_age(tmp_path, gated):
@@ -199,7 +185,7 @@ def test_the_gate_holds_a_late_learners_backlog_to_max_trained_age(tmp_path, gat
     learner = _LateLearner(store, cfg, delay_s=3.0, step_s=0.3, steps=8)
     gate = AdmissionGate(store, RUN, cfg.learner.groups_per_step_by_agent(), eta, refresh_s=0.1) if gated else None
     scheduler = RolloutScheduler(
-        cfg, store, RUN, engine, engine.tokenizer, ROLES, newer_policy=learner.newer_policy, gate=gate
+        cfg, store, RUN, engine, engine.tokenizer, ROLES, weights=WeightChannel(store, RUN), gate=gate
     )
     scheduler.add_problems(_problems(16), batch=0)
     learner.thread.start()

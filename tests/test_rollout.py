@@ -11,36 +11,32 @@ import pytest
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.roles import TINY_TEMPLATES, Roles
 from marsrl_core.agents.selection import select_inputs
-from marsrl_core.config import load_config
 from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.engines.hf import HFEngine, load_safetensors_state
 from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.store import SegmentStore
+from tests.configs import rollout_config
 from tests.scripted import ScriptedEngine
 
 ROLES = Roles.from_config(base=TINY_TEMPLATES)
 RUN = "roll"
 
 
+ROLLOUT = {
+    "num_generations": 4,
+    "downstream_generations": 3,
+    "select_inputs": 2,
+    "segment_tokens": 4,
+    "solver_max_tokens": 40,
+    "verifier_max_tokens": 40,
+    "corrector_max_tokens": 40,
+    "problems_per_batch": 2,
+    "explore": 0.0,
+}
+
+
 def _cfg(tmp_path, **rollout):
-    base = {
-        "num_generations": 4,
-        "downstream_generations": 3,
-        "select_inputs": 2,
-        "segment_tokens": 4,
-        "solver_max_tokens": 40,
-        "verifier_max_tokens": 40,
-        "corrector_max_tokens": 40,
-        "problems_per_batch": 2,
-        "explore": 0.0,
-    }
-    base.update(rollout)
-    return load_config(
-        "tiny",
-        None,
-        [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", f"store.data_path={tmp_path}/data"]
-        + [f"rollout.{k}={v}" for k, v in base.items()],
-    )
+    return rollout_config(tmp_path, ROLLOUT, **rollout)
 
 
 def _problems(n):
@@ -168,15 +164,8 @@ def test_long_samples_continue_across_segments_and_versions_and_reassemble(tmp_p
 
 
 def test_staleness_bound_is_never_exceeded(tmp_path, tiny):
-    cfg = _cfg(
-        tmp_path,
-        max_turns=2,
-        segment_tokens=2,
-        solver_max_tokens=12,
-        verifier_max_tokens=12,
-        max_version_span=1,
-        problems_per_batch=2,
-    )
+    budgets = {"solver_max_tokens": 12, "verifier_max_tokens": 12}
+    cfg = _cfg(tmp_path, max_turns=2, segment_tokens=2, max_version_span=1, problems_per_batch=2, **budgets)
     store = SegmentStore.from_config(cfg.store)
     engine = HFEngine.from_pretrained(tiny[0])
     engine.eos_id = -1
@@ -295,29 +284,32 @@ def test_a_version_offered_during_an_update_is_not_lost(tmp_path):
     assert engine.policy_version == 2 and sched.pending is None
 
 
-def test_a_scheduler_asks_its_policy_source_before_each_stage(tmp_path):
-    """`newer_policy` is how a rollout worker learns of versions its learner committed elsewhere: asked
-    with the engines' version before every stage, and what it returns is loaded at that stage."""
-    cfg = _cfg(tmp_path, max_turns=1)
+def test_the_weight_channel_brings_committed_versions_at_the_next_stage(tmp_path):
+    """A `WeightChannel` is how a rollout learns of versions its learner committed, here or elsewhere:
+    polled with the engines' version before every stage, a version committed in the store is loaded
+    at that stage, from the weights this process's learner published when it has them, else from the
+    version's checkpoint folder."""
+    from marsrl_core.rollout.weights import WeightChannel
+
+    cfg = _cfg(tmp_path, max_turns=1, solver_max_tokens=12)
     store = SegmentStore.from_config(cfg.store)
-    engine = ScriptedEngine(lambda p: "Answer: 1")
-    published = {"version": 0}
-    asked: list[int] = []
-
-    def newer_policy(current):
-        asked.append(current)
-        return (published["version"], f"w{published['version']}") if published["version"] > current else None
-
-    loaded: list[tuple[int, str]] = []
+    engine = ScriptedEngine(lambda p: "thinking... Answer: 1")
+    loaded: list[tuple[int, object]] = []
     original = engine.update_weights
     engine.update_weights = lambda version, weights: (loaded.append((version, weights)), original(version, weights))
-    sched = _scheduler(cfg, store, engine, _problems(2), newer_policy=newer_policy)
+    channel = WeightChannel(store, RUN)
+    sched = _scheduler(cfg, store, engine, _problems(2), weights=channel)
     sched.stage()
-    published["version"] = 1  # within the staleness bound of the samples in flight
+    (tmp_path / "ckpt" / "v1" / "policy").mkdir(parents=True)  # a shared policy's checkpoint layout
+    store.commit_step(RUN, 1, {}, f"{tmp_path}/ckpt/v1")  # a learner elsewhere: only its folder
     sched.stage()
+    assert loaded == [(1, tmp_path / "ckpt" / "v1" / "policy")] and engine.policy_version == 1
+    store.commit_step(RUN, 2, {}, f"{tmp_path}/ckpt/v2")
+    channel.publish(2, {"weights": "of v2"})  # this process's learner: its weights in memory
     sched.stage()
-    assert asked == [0, 0, 1]
-    assert loaded == [(1, "w1")] and engine.policy_version == 1
+    assert loaded[-1] == (2, {"weights": "of v2"}) and engine.policy_version == 2
+    sched.stage()  # the engines hold v2: the published copy is dropped
+    assert len(loaded) == 2 and channel._published is None
 
 
 def test_a_turn_behind_the_store_stores_nothing_twice_and_its_retry_resumes(tmp_path, tiny):

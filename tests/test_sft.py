@@ -87,7 +87,7 @@ def test_sft_learns_a_small_task_and_warm_starts_are_cached(tmp_path):
     from marsrl_core.engines.hf import HFEngine
 
     cfg = load_config("tiny", None, [f"output_dir={tmp_path}/out"])
-    from marsrl_core.runtime.policy import policy_folder
+    from marsrl_core.policy import policy_folder, roles_from_config
 
     start = policy_folder(cfg)
     model, tok = AutoModelForCausalLM.from_pretrained(start), AutoTokenizer.from_pretrained(start)
@@ -113,11 +113,15 @@ def test_sft_learns_a_small_task_and_warm_starts_are_cached(tmp_path):
         None,
         [f"output_dir={tmp_path}/out", "sft.max_steps=3", "sft.per_device_train_batch_size=4", "sft.num_problems=20"],
     )
-    first = warm_start(cfg)
+
+    def start(c):
+        return warm_start(c, policy_folder(c), roles_from_config(c))
+
+    first = start(cfg)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    again = warm_start(cfg)
+    again = start(cfg)
     assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not retrained
-    other = warm_start(cfg.model_copy(update={"seed": 1}))
+    other = start(cfg.model_copy(update={"seed": 1}))
     assert other != first  # a different config gets its own warm start
 
 

@@ -115,18 +115,18 @@ def find_warm_start(cfg: MarsRLConfig) -> Path | None:
     return None
 
 
-def warm_start(cfg: MarsRLConfig, progress: Callable[[int, float], None] | None = None) -> Path:
-    """The warm-started policy folder for `cfg` (trained once with `cfg.sft`, then reused from the cache)."""
+def warm_start(
+    cfg: MarsRLConfig, start: Path, roles: Roles, progress: Callable[[int, float], None] | None = None
+) -> Path:
+    """The warm-started policy folder for `cfg` (trained once with `cfg.sft` from the model in `start`
+    with the agents' `roles`, then reused from the cache)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from marsrl_core.runtime.policy import policy_folder, roles_from_config
 
     cached = find_warm_start(cfg)
     if cached is not None:
         return cached
     folder = Path(cfg.output_dir) / f"warm-start-{_key(cfg)}"
     sc = cfg.sft
-    start = policy_folder(cfg)
     model = AutoModelForCausalLM.from_pretrained(start)
     tokenizer = AutoTokenizer.from_pretrained(start)
     problems = make_problems(
@@ -144,17 +144,8 @@ def warm_start(cfg: MarsRLConfig, progress: Callable[[int, float], None] | None 
         repair_failure=sc.repair_failure,
         report_corruption=sc.report_corruption,
     )
-    train_sft(
-        model,
-        tokenizer,
-        roles_from_config(cfg),
-        examples,
-        steps=sc.max_steps,
-        batch_size=sc.per_device_train_batch_size,
-        learning_rate=sc.learning_rate,
-        seed=cfg.seed,
-        progress=progress,
-    )
+    schedule = {"steps": sc.max_steps, "batch_size": sc.per_device_train_batch_size, "learning_rate": sc.learning_rate}
+    train_sft(model, tokenizer, roles, examples, seed=cfg.seed, progress=progress, **schedule)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

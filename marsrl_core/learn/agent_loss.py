@@ -3,7 +3,8 @@ them, the loss of `algorithms.policy_loss` back-propagated, and the step's metri
 
 - `TrainItem`: a stored sample with its advantage, whether it takes decoupled PPO's correction (a
   group past `max_trained_age` with `stale_groups='correct'`), and whether it is left out of the loss
-  (cut off by its budget, with `mask_truncated_completions`).
+  (cut off by its budget, with `mask_truncated_completions`); `train_items` makes them from a step's
+  groups.
 - `loss_normalizers`: the token and sequence counts an agent's loss is divided by, from how a policy
   weighs the agents that share it (`agent_weighting`), summed over the step's micro-batches so that
   the step's gradient does not depend on how its samples were packed.
@@ -13,7 +14,7 @@ them, the loss of `algorithms.policy_loss` back-propagated, and the step's metri
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +22,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from marsrl_core.config import LearnerConfig
-from marsrl_core.learn.algorithms import policy_loss
+from marsrl_core.learn.algorithms import group_advantages, policy_loss
 from marsrl_core.learn.scoring import PackedBatch
-from marsrl_core.store import StoredSample
+from marsrl_core.store import StoredSample, TrainableGroup
 
 
 @dataclass
@@ -36,6 +37,44 @@ class TrainItem:
     @property
     def loss_tokens(self) -> int:
         return 0 if self.masked else len(self.sample.token_ids)
+
+
+_GROUP_STATS = (
+    "groups",
+    "zero_variance_groups",
+    "reward_sum",
+    "samples",
+    "decoupled_samples",
+    "masked_truncated_samples",
+)
+
+
+def train_items(
+    groups: Sequence[TrainableGroup], samples: dict[str, StoredSample], lc: Any
+) -> tuple[dict[str, list[TrainItem]], dict[str, dict[str, float]]]:
+    """Each agent's items to train (GRPO advantages within each group; a group whose rewards are all
+    equal has none and is counted, not trained) and its group statistics (`_GROUP_STATS`)."""
+    per_agent: dict[str, list[TrainItem]] = {}
+    stats: dict[str, dict[str, float]] = {}
+    for g in groups:
+        members = [samples[sid] for sid in g.sample_ids]
+        s = stats.setdefault(g.agent, dict.fromkeys(_GROUP_STATS, 0.0))
+        s["groups"] += 1
+        s["samples"] += len(members)
+        s["reward_sum"] += sum(m.reward or 0.0 for m in members)
+        advantages = group_advantages([m.reward or 0.0 for m in members], lc.scale_rewards)
+        if advantages is None:
+            s["zero_variance_groups"] += 1
+            continue
+        items = [
+            TrainItem(m, a, g.stale, lc.mask_truncated_completions and m.finish_reason == "budget")
+            for m, a in zip(members, advantages)
+        ]
+        s["decoupled_samples"] += sum(i.decoupled for i in items)
+        s["masked_truncated_samples"] += sum(i.masked for i in items)
+        if any(i.loss_tokens for i in items):
+            per_agent.setdefault(g.agent, []).extend(items)
+    return per_agent, stats
 
 
 def loss_normalizers(

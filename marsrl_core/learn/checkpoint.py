@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save_file
 
 from marsrl_core.config import AGENTS
-from marsrl_core.runtime.faults import crash_point
+from marsrl_core.faults import crash_point
 
 STATE_TENSORS, STATE_JSON = "trainer_state.safetensors", "trainer_state.json"
 

@@ -49,9 +49,18 @@ from marsrl_core.devices import (
     reset_peak_memory,
     resolve_device,
 )
+from marsrl_core.faults import crash_point
 from marsrl_core.learn import distributed
-from marsrl_core.learn.agent_loss import MAXED, SUMMED, TrainItem, backward, finish_metrics, loss_normalizers, pack
-from marsrl_core.learn.algorithms import group_advantages
+from marsrl_core.learn.agent_loss import (
+    MAXED,
+    SUMMED,
+    TrainItem,
+    backward,
+    finish_metrics,
+    loss_normalizers,
+    pack,
+    train_items,
+)
 from marsrl_core.learn.checkpoint import (
     SHARED_POLICY,
     clean_uncommitted,
@@ -65,17 +74,7 @@ from marsrl_core.learn.checkpoint import (
 )
 from marsrl_core.learn.models import load_model, shard_and_fill
 from marsrl_core.learn.scoring import TokenScorer
-from marsrl_core.runtime.faults import crash_point
 from marsrl_core.store import SegmentStore, TrainableGroup
-
-_GROUP_STATS = (
-    "groups",
-    "zero_variance_groups",
-    "reward_sum",
-    "samples",
-    "decoupled_samples",
-    "masked_truncated_samples",
-)
 
 
 class LearnerError(RuntimeError):
@@ -194,64 +193,60 @@ class Learner:
 
     def _step(self, groups: Sequence[TrainableGroup]) -> StepReport:
         start = time.perf_counter()
-        lc = self.cfg.learner
-        main = self.ranks is None or self.ranks.main
-        dropped: dict[str, list[str]] = {}
-        if lc.stale_groups == "drop":
-            for g in groups:
-                if g.stale:
-                    dropped.setdefault(g.agent, []).extend(g.sample_ids)
-            groups = [g for g in groups if not g.stale]
+        groups, dropped = self._select(groups)
         ids = [sid for g in groups for sid in g.sample_ids]
-        samples = self.store.load_samples(self.run_id, ids) if main else None
+        samples = self.store.load_samples(self.run_id, ids) if self.ranks is None or self.ranks.main else None
         if self.ranks is not None:
             samples = distributed.broadcast(samples)
-        per_agent: dict[str, list[TrainItem]] = {}
-        stats: dict[str, dict[str, float]] = {}
+        per_agent, stats = train_items(groups, samples, self.cfg.learner)
+        metrics, nonfinite = self._update(per_agent)
+        self.step += 1
+        self._record(metrics, stats, dropped, nonfinite, time.perf_counter() - start)
+        consumed: dict[str, list[str]] = {}
         for g in groups:
-            members = [samples[sid] for sid in g.sample_ids]
-            s = stats.setdefault(g.agent, dict.fromkeys(_GROUP_STATS, 0.0))
-            s["groups"] += 1
-            s["samples"] += len(members)
-            s["reward_sum"] += sum(m.reward or 0.0 for m in members)
-            advantages = group_advantages([m.reward or 0.0 for m in members], lc.scale_rewards)
-            if advantages is None:
-                s["zero_variance_groups"] += 1
-                continue
-            items = [
-                TrainItem(m, a, g.stale, lc.mask_truncated_completions and m.finish_reason == "budget")
-                for m, a in zip(members, advantages)
-            ]
-            s["decoupled_samples"] += sum(i.decoupled for i in items)
-            s["masked_truncated_samples"] += sum(i.masked for i in items)
-            if any(i.loss_tokens for i in items):
-                per_agent.setdefault(g.agent, []).extend(items)
+            consumed.setdefault(g.agent, []).extend(g.sample_ids)
+        crash_point("learner.update")
+        folder = self.publish(consumed, metrics, dropped)
+        return StepReport(self.step, folder, consumed, metrics, nonfinite)
 
+    def _select(self, groups: Sequence[TrainableGroup]) -> tuple[list[TrainableGroup], dict[str, list[str]]]:
+        """The groups the step trains on, and (with `stale_groups='drop'`) the stale ones it drops."""
+        dropped: dict[str, list[str]] = {}
+        if self.cfg.learner.stale_groups != "drop":
+            return list(groups), dropped
+        for g in groups:
+            if g.stale:
+                dropped.setdefault(g.agent, []).extend(g.sample_ids)
+        return [g for g in groups if not g.stale], dropped
+
+    def _update(self, per_agent: dict[str, list[TrainItem]]) -> tuple[dict[str, dict[str, float]], bool]:
+        """Gradients, clipping and one optimizer step per trained policy; the agents' metrics, and whether
+        a loss or gradient norm was non-finite (then no update at all: the step's samples are consumed
+        and its version holds the weights as they were)."""
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
         reset_peak_memory(self.device)
         metrics = self._accumulate_gradients(per_agent)
         nonfinite = not all(math.isfinite(m["loss"]) for m in metrics.values())
         trained = sorted({self.policy_name(a) for a in per_agent})
-        norms = {}
         if not nonfinite:
             for name in trained:
-                norms[name] = self._clip_gradients(name)
+                norm = self._clip_gradients(name)
                 for agent in per_agent:
                     if self.policy_name(agent) == name:
-                        metrics[agent]["grad_norm"] = norms[name]
-            nonfinite = not all(math.isfinite(norm) for norm in norms.values())
-        if (
-            not nonfinite
-        ):  # else no update at all: the step's samples are consumed, its version the weights as they were
+                        metrics[agent]["grad_norm"] = norm
+                nonfinite |= not math.isfinite(norm)
+        if not nonfinite:
             for name in trained:
                 self.optimizers[name].step()
                 self.schedulers[name].step()
                 self._check_finite(name)
         for opt in self.optimizers.values():  # the gradients are spent: their memory is free for the checkpoint
             opt.zero_grad(set_to_none=True)
-        self.step += 1
-        elapsed = time.perf_counter() - start
+        return metrics, nonfinite
+
+    def _record(self, metrics: dict, stats: dict, dropped: dict, nonfinite: bool, elapsed: float) -> None:
+        """The step's bookkeeping metrics, per agent, added to `metrics`."""
         for agent, s in stats.items():
             m = metrics.setdefault(agent, {})
             m.update(
@@ -269,12 +264,6 @@ class Learner:
                 m["peak_memory_gb"] = peak  # this rank's
         for agent, ids in dropped.items():
             metrics.setdefault(agent, {})["dropped_stale_samples"] = float(len(ids))
-        consumed: dict[str, list[str]] = {}
-        for g in groups:
-            consumed.setdefault(g.agent, []).extend(g.sample_ids)
-        crash_point("learner.update")
-        folder = self.publish(consumed, metrics, dropped)
-        return StepReport(self.step, folder, consumed, metrics, nonfinite)
 
     def _accumulate_gradients(self, per_agent: dict[str, list[TrainItem]]) -> dict[str, dict[str, float]]:
         """Every agent's loss back-propagated (with several ranks, each its share of the samples, the

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.rewards import Judgement
 from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER
+from marsrl_core.store import RewardRow, SampleRow
 
 
 class RolloutInterrupted(Exception):
@@ -80,6 +82,19 @@ class BatchProgress:
     tokens: Counter = field(default_factory=Counter)  # turn -> tokens decoded
     open_turns: list[tuple[int, bool]] = field(default_factory=list)  # (current turn, all of it finished)
 
+    @classmethod
+    def of(cls, states: list[ProblemState], waiting: int, dropped: int) -> BatchProgress:
+        """The progress of a batch whose admitted problems are `states`."""
+        progress = cls(waiting=waiting, dropped=dropped, problems=len(states))
+        for st in states:
+            progress.done_problems += st.done
+            for turn, samples in st.turns.items():
+                progress.add(turn, samples)
+            if not st.done:
+                current = max(st.turns, default=-1)
+                progress.open_turns.append((current, all(s.finish for s in st.turns.get(current, ()))))
+        return progress
+
     def add(self, turn: int, samples: list[Sample]) -> None:
         self.samples[turn] += len(samples)
         self.finished[turn] += sum(s.finish is not None for s in samples)
@@ -112,6 +127,19 @@ class StageReport:
     finished: int = 0  # samples that finished
     new_samples: int = 0  # samples started (new problems' Solver groups and downstream groups)
     admitted: int = 0  # new problems
+
+
+def sample_row(s: Sample, rc: Any) -> SampleRow:
+    """The store's row for a new sample (`rc`: the rollout config, for its group's size)."""
+    size = rc.num_generations if s.turn == 0 else rc.downstream_generations
+    parent = s.parent.sample_id if s.parent else None
+    return SampleRow(s.sample_id, s.problem.problem_id, s.agent, s.turn, s.group_id, size, s.prompt_ids, parent)
+
+
+def reward_row(s: Sample, reward: float) -> RewardRow:
+    """The store's row for a finished sample's reward and what was read from it."""
+    j = s.judgement
+    return RewardRow(s.sample_id, reward, j.correct, j.outcome, j.parsed, s.text)
 
 
 def shared_outcome(sample: Sample) -> float:

@@ -49,11 +49,10 @@ from typing import Any
 
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.rewards import judge as judge_output
-from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER, WRONG, Roles, parse_bug_report
-from marsrl_core.agents.selection import select_inputs
+from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER, Roles
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.engines.base import SamplingParams, SegmentRequest
-from marsrl_core.rollout.offers import PolicyOffers
+from marsrl_core.faults import crash_point
 from marsrl_core.rollout.resume import restore
 from marsrl_core.rollout.samples import (
     BatchProgress,
@@ -62,10 +61,13 @@ from marsrl_core.rollout.samples import (
     Sample,
     StageReport,
     agent_of_turn,
+    reward_row,
+    sample_row,
     shared_outcome,
 )
-from marsrl_core.runtime.faults import crash_point
-from marsrl_core.store import Rejection, RewardRow, SampleRow, SegmentRow, Store
+from marsrl_core.rollout.turns import next_turn_inputs
+from marsrl_core.rollout.weights import WeightChannel
+from marsrl_core.store import Rejection, RewardRow, SegmentRow, Store
 
 
 class RolloutScheduler:
@@ -80,19 +82,21 @@ class RolloutScheduler:
         problems: Iterable[Problem] = (),
         *,
         seed: int = 0,
-        newer_policy: Callable[[int], tuple[int, Any] | None] | None = None,
+        weights: WeightChannel | None = None,
         gate: Any = None,
         judge: Callable[..., Any] = judge_output,
         turn_barrier: bool = False,
+        new_group_id: Callable[[], str] = lambda: uuid.uuid4().hex,
     ):
         """`engine`: one engine for all agents (shared policy) or a dict agent -> engine (per-agent).
         `problems`: problems waiting for admission (more arrive with `add_problems`).
-        `newer_policy(current_version)`: asked before every stage for a policy newer than the engines'
-        ((version, weights) or None), which is then offered as `offer_weights` would; for a scheduler
-        whose learner runs elsewhere and publishes its versions (the store's committed checkpoints).
+        `weights`: where newer policy versions come from (`WeightChannel`: polled before every stage);
+        None: only what `offer_weights` offers.
         `gate`: asked before each admission (`AdmissionGate.admits`); None admits up to the limit.
         `judge`: how a finished output is judged (`agents.rewards.judge`'s signature).
-        `turn_barrier`: hold each batch's problems at every turn until the whole batch has finished it."""
+        `turn_barrier`: hold each batch's problems at every turn until the whole batch has finished it.
+        `new_group_id`: a new group's id (its samples are `<group id>-<i>`, their sampling seeds drawn
+        from those): a uuid, unique across processes and restarts."""
         self.cfg, self.rc = cfg, cfg.rollout
         self.store, self.run_id = store, run_id
         self.engines = engine if isinstance(engine, dict) else {a: engine for a in (SOLVER, VERIFIER, CORRECTOR)}
@@ -102,17 +106,17 @@ class RolloutScheduler:
         self.rng = random.Random(seed)
         self.seed = seed
         self.states: dict[str, ProblemState] = {}
-        self.offers = PolicyOffers(self.engines)
+        self.weights = weights if weights is not None else WeightChannel()
         self.context = getattr(self.engine, "max_positions", None) or getattr(self.engine, "max_model_len", None)
         self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0, "gated_stages": 0}
         self.started_groups: Counter[str] = Counter()  # groups this scheduler created, per agent
         self.stored_groups: Counter[str] = Counter()  # and those of them its appends stored
         self.dropped: Counter[int | None] = Counter()  # problems dropped unadmitted, per batch
         self.synchronous = self.rc.synchronous
-        self.newer_policy = newer_policy
         self.gate = gate
         self.judge = judge
         self.turn_barrier = turn_barrier
+        self.new_group_id = new_group_id
 
     # ------------------------------------------------------------------ policy versions
     @property
@@ -122,18 +126,18 @@ class RolloutScheduler:
     @property
     def pending(self) -> tuple[int, Any] | None:
         """The newest policy offered and not yet applied: (version, weights), or None."""
-        return self.offers.pending
+        return self.weights.pending
 
     def offer_weights(self, version: int, weights: Any) -> None:
         """A newer policy (weights, or a dict agent -> weights); applied at the next stage boundary the
-        staleness bound allows. Safe to call from another thread (the learner's)."""
-        self.offers.offer(version, weights)
+        version-span bound allows. Safe to call from another thread (the learner's)."""
+        self.weights.offer(version, weights)
 
     def _apply_pending(self) -> bool:
         """Apply an offered policy unless an in-flight sample would then span more than `max_version_span`
         versions; False when it was deferred."""
         oldest = min((s.start_version for s in self.in_flight() if s.start_version is not None), default=None)
-        applied = self.offers.apply(self.version, oldest, self.rc.max_version_span)
+        applied = self.weights.apply(self.engines, self.version, oldest, self.rc.max_version_span)
         if not applied:
             self.stats["deferred_updates"] += 1
         return applied
@@ -184,18 +188,8 @@ class RolloutScheduler:
 
     def batch_progress(self, batch: int | None) -> BatchProgress:
         """What of batch `batch` has started and finished, per turn (see `BatchProgress`)."""
-        progress = BatchProgress(waiting=sum(b == batch for b, _ in self.waiting), dropped=self.dropped[batch])
-        for st in self.states.values():
-            if st.batch != batch:
-                continue
-            progress.problems += 1
-            progress.done_problems += st.done
-            for turn, samples in st.turns.items():
-                progress.add(turn, samples)
-            if not st.done:
-                current = max(st.turns, default=-1)
-                progress.open_turns.append((current, all(s.finish for s in st.turns.get(current, ()))))
-        return progress
+        waiting = sum(b == batch for b, _ in self.waiting)
+        return BatchProgress.of([st for st in self.states.values() if st.batch == batch], waiting, self.dropped[batch])
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -224,7 +218,7 @@ class RolloutScheduler:
                 )
             )
             return []
-        group_id = uuid.uuid4().hex
+        group_id = self.new_group_id()
         self.started_groups[agent] += 1
         samples = [
             Sample(f"{group_id}-{i}", problem, agent, turn, group_id, prompt_ids, budget, parent) for i in range(size)
@@ -268,8 +262,7 @@ class RolloutScheduler:
         self.stats["stages"] += 1
         rejected: list[Rejection] = []
         created: list[Sample] = []
-        if self.newer_policy is not None and (newer := self.newer_policy(self.version)) is not None:
-            self.offer_weights(*newer)
+        self.weights.poll(self.version)
         if self._apply_pending():
             created = self._admit(rejected)
             report.admitted = len({s.problem.problem_id for s in created})
@@ -311,14 +304,14 @@ class RolloutScheduler:
                     self.judge_finished(sample)
                     report.finished += 1
                     if self.rc.reward_mode == "decoupled":
-                        rewards.append(self._reward_row(sample, sample.judgement.reward))
+                        rewards.append(reward_row(sample, sample.judgement.reward))
         held = self._batches_still_on_their_turn() if self.turn_barrier else set()
         for state in self.states.values():
             if not state.done and state.batch not in held:
                 created += self._advance(state, rejected, rewards)
         report.new_samples = len(created)
         crash_point("rollout.append")
-        stored = self.store.append(self.run_id, [self._sample_row(s) for s in created], segments, rewards)
+        stored = self.store.append(self.run_id, [sample_row(s, self.rc) for s in created], segments, rewards)
         if stored.written:
             self.stored_groups.update(agent for agent, _ in {(s.agent, s.group_id) for s in created})
         else:
@@ -381,48 +374,16 @@ class RolloutScheduler:
         state.done = True
         if self.rc.reward_mode == "shared":
             for samples in state.turns.values():
-                rewards += [self._reward_row(s, shared_outcome(s)) for s in samples]
+                rewards += [reward_row(s, shared_outcome(s)) for s in samples]
         return []
 
     def _downstream(self, state: ProblemState, turn: int, upstream: list[Sample], rejected) -> list[Sample]:
-        agent = agent_of_turn(turn)
-        problem = state.problem
-        if agent == VERIFIER:
-            candidates = upstream
-            preferred = lambda s: not s.judgement.correct  # noqa: E731  (incorrect solutions)
-        else:
-            candidates = [v for v in upstream if v.judgement.parsed == WRONG]
-            preferred = lambda v: not v.parent.solution.judgement.correct  # noqa: E731  (rightly flagged)
-        picks = select_inputs(
-            candidates, self.rc.select_inputs, self.rc.selection, preferred, self.rng, self.rc.explore
-        )
         created: list[Sample] = []
-        for pick in picks:
-            if agent == VERIFIER:
-                text = self.roles.prompt(self.tokenizer, VERIFIER, problem.prompt, pick.text)
-            else:
-                text = self.roles.prompt(
-                    self.tokenizer, CORRECTOR, problem.prompt, pick.parent.solution.text, parse_bug_report(pick.text)
-                )
-            created += self._new_group(problem, turn, self.rc.downstream_generations, text, pick, rejected)
+        for pick, text in next_turn_inputs(
+            state.problem, turn, upstream, self.rc, self.roles, self.tokenizer, self.rng
+        ):
+            created += self._new_group(state.problem, turn, self.rc.downstream_generations, text, pick, rejected)
         return created
-
-    def _sample_row(self, s: Sample) -> SampleRow:
-        return SampleRow(
-            s.sample_id,
-            s.problem.problem_id,
-            s.agent,
-            s.turn,
-            s.group_id,
-            self.rc.num_generations if s.turn == 0 else self.rc.downstream_generations,
-            s.prompt_ids,
-            s.parent.sample_id if s.parent else None,
-        )
-
-    @staticmethod
-    def _reward_row(s: Sample, reward: float) -> RewardRow:
-        j = s.judgement
-        return RewardRow(s.sample_id, reward, j.correct, j.outcome, j.parsed, s.text)
 
     # ------------------------------------------------------------------ driving
     def run(self, max_stages: int | None = None) -> list[StageReport]:

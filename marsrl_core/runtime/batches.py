@@ -15,7 +15,7 @@ import functools
 from marsrl_core.agents.problems import LoadedProblems, Problem, load_problems
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.demo.synthetic import make_problems
-from marsrl_core.runtime.policy import policy_folder
+from marsrl_core.policy import policy_folder
 from marsrl_core.store import Rejection
 
 

@@ -11,8 +11,8 @@ process; `runtime()` is the process's one instance. Its first store also starts 
 Rollout and learner meet through the store and the checkpoint files: an engine picks up a newer
 committed version from the store at stage boundaries, so rollout and learner can live in different
 processes or machines, each with its own `Runtime`. When both are in this process, the learner also
-publishes each committed version's weights here (`publish_weights`, `engine.weight_sync=memory`), and
-the engine takes them from memory instead of reading the version's folder back from disk.
+publishes each committed version's weights to the run's `WeightChannel` (`engine.weight_sync=memory`),
+and the engine takes them from memory instead of reading the version's folder back from disk.
 
 Deliberate simplification: what it holds is keyed by run and model, never evicted (a worker serves
 one run at a time).
@@ -28,9 +28,10 @@ import transformers  # noqa: F401  (imported here, once: lazy imports from sever
 from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.engines.batching import BatchingEngine
 from marsrl_core.learn.checkpoint import checkpoint_root
+from marsrl_core.policy import make_engine, policy_folder
 from marsrl_core.rollout.loop import RolloutLoop
+from marsrl_core.rollout.weights import WeightChannel
 from marsrl_core.runtime.memory import MemoryTrimmer
-from marsrl_core.runtime.policy import make_engine, policy_folder
 from marsrl_core.store import SegmentStore, Store
 from marsrl_core.store.lease import LearnerLease
 from marsrl_core.store.process import StoreProcess
@@ -52,7 +53,7 @@ class Runtime:
         self._leases: dict[str, LearnerLease] = {}
         self._interrupted: set[str] = set()
         self._trimmer: MemoryTrimmer | None = None
-        self._published: dict[str, tuple[int, Any]] = {}  # run -> (committed version, its weights)
+        self._channels: dict[str, WeightChannel] = {}
         self._loops: dict[str, RolloutLoop] = {}
 
     # ------------------------------------------------------------------ services
@@ -100,22 +101,15 @@ class Runtime:
                 loop = self._loops[run_id] = RolloutLoop(make_scheduler, interrupted=interrupted)
             return loop
 
-    # ------------------------------------------------------------------ weights in memory
-    def publish_weights(self, run_id: str, version: int, weights: Any) -> None:
-        """The weights of committed version `version` (a state dict, or {agent: state dict}), for this
-        process's engines; replaces the run's older ones."""
+    # ------------------------------------------------------------------ weights
+    def weight_channel(self, cfg: MarsRLConfig, run_id: str) -> WeightChannel:
+        """The run's `WeightChannel` in this process: its learner publishes there, its engines take
+        each committed version from there (from memory when published here, else its folder)."""
         with self._lock:
-            self._published[run_id] = (version, weights)
-
-    def published_weights(self, run_id: str, version: int, engine_version: int) -> Any | None:
-        """The weights of `version` if they were published here (None: read its folder). Forgotten once
-        the engines hold `version` or newer (`engine_version`), so one copy lives at most one version."""
-        with self._lock:
-            published = self._published.get(run_id)
-            if published is not None and engine_version >= published[0]:
-                del self._published[run_id]
-                return None
-            return published[1] if published is not None and published[0] == version else None
+            if run_id not in self._channels:
+                per_agent = cfg.learner.policies == "per_agent"
+                self._channels[run_id] = WeightChannel(self.store(cfg), run_id, per_agent=per_agent)
+            return self._channels[run_id]
 
     def engines(self, cfg: MarsRLConfig) -> BatchingEngine | dict[str, BatchingEngine]:
         """One engine for all agents, or one per agent (`learner.policies=per_agent`)."""

@@ -18,7 +18,7 @@ from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.demo.synthetic import make_problems
 from marsrl_core.engines.base import SamplingParams, TextGenerator, derive_seed
 from marsrl_core.learn.checkpoint import agent_folders
-from marsrl_core.runtime.policy import make_engine, policy_folder, roles_from_config
+from marsrl_core.policy import make_engine, policy_folder, roles_from_config
 from marsrl_core.store import Rejection, Store
 
 HELD_OUT_SEED_OFFSET = 10_000  # held-out synthetic problems never share a generator seed with training

@@ -62,13 +62,18 @@ def print_report(console: Console, reports: dict[str, EvalReport | dict]) -> Non
     console.print(table)
 
 
-def report_markdown(run_id: str, reports: dict[str, EvalReport | dict], curves_uri: str | None = None) -> str:
-    """The before/after table in Markdown (a Prefect artifact of the run), with a link to the reward curves."""
+def report_markdown(
+    run_id: str, reports: dict[str, EvalReport | dict], curves_uri: str | None = None, timeline_uri: str | None = None
+) -> str:
+    """The before/after table in Markdown (a Prefect artifact of the run), with links to the reward curves
+    and the run's timeline."""
     lines = [f"# MarsRL run {run_id}", "", "| measure | " + " | ".join(reports) + " |"]
     lines.append("|---" * (len(reports) + 1) + "|")
     lines += ["| " + " | ".join(row) + " |" for row in report_rows(reports)]
     if curves_uri:
         lines += ["", f"Per-agent reward curves (an MLflow artifact): [{curves_uri}]({curves_uri})"]
+    if timeline_uri:
+        lines += ["", f"The run's timeline (an MLflow artifact): [{timeline_uri}]({timeline_uri})"]
     return "\n".join(lines)
 
 

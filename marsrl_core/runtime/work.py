@@ -10,8 +10,8 @@ one to the next goes through the store.
   ends (and is marked done, so a resumed run skips it).
 - `ready_groups(cfg, run_id, flush)`: the groups a learner step would take now (the learner flow's poll).
 - `train_step(cfg, run_id, groups)`: one learner step on those groups (or on what is ready).
-- `evaluate`, `log_reward_curves`, `compact`: evaluation before/after, MLflow's reward curves, and
-  store maintenance.
+- `evaluate`, `log_reward_curves`, `log_timeline`, `compact`: evaluation before/after, MLflow's reward
+  curves and timeline, and store maintenance.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from typing import Any
 
 from marsrl_core.agents.problems import DatasetError
 from marsrl_core.config import AGENTS, ConfigError, MarsRLConfig, build_config, migrate_renamed
-from marsrl_core.learn.checkpoint import agent_folders
+from marsrl_core.learn.checkpoint import agent_folders, checkpoint_root
 from marsrl_core.learn.groups import ready_groups as _ready_groups
+from marsrl_core.policy import policy_folder, roles_from_config
 from marsrl_core.rollout.gate import AdmissionGate
 from marsrl_core.rollout.loop import RolloutLoop
 from marsrl_core.rollout.scheduler import RolloutScheduler
 from marsrl_core.runtime import events
 from marsrl_core.runtime.batches import batch_problems, training_rejections, training_set
 from marsrl_core.runtime.context import runtime
-from marsrl_core.runtime.policy import policy_folder, roles_from_config
 from marsrl_core.store import Store, TrainableGroup
 
 
@@ -69,20 +69,6 @@ def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
         store.reject(run_id, training_rejections(cfg))
     known = store.known_problems(run_id, [p.problem_id for p in problems])
     return store.add_problems(run_id, [p for p in problems if p.problem_id not in known])
-
-
-def _newer_policy(store: Store, run_id: str, current_version: int, *, per_agent: bool):
-    """(version, weights) of a committed version newer than the engines': the weights this process's
-    learner published for it, else its checkpoint folder (or {agent: folder})."""
-    latest = store.latest_version(run_id)
-    in_memory = runtime().published_weights(run_id, latest[0] if latest else -1, current_version)
-    if latest is None or latest[0] <= current_version:
-        return None
-    version, uri = latest
-    if in_memory is not None:
-        return version, in_memory
-    folders = agent_folders(Path(uri))
-    return version, folders if per_agent else folders["solver"]
 
 
 def _sync_from_memory(cfg: MarsRLConfig, learner: Any) -> bool:
@@ -125,7 +111,7 @@ def _make_scheduler(cfg: MarsRLConfig, run_id: str) -> RolloutScheduler:
         tokenizer,
         roles_from_config(cfg),
         seed=cfg.seed * 7919,
-        newer_policy=functools.partial(_newer_policy, store, run_id, per_agent=isinstance(engines, dict)),
+        weights=rt.weight_channel(cfg, run_id),
         gate=gate,
     )
 
@@ -152,6 +138,17 @@ def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) ->
     and tokens. The decode loop does the decoding; this is the turn's span of it."""
     progress = rollout_loop(cfg, run_id).wait(batch_index, lambda p: p.final(turn))
     return {"samples": progress.samples[turn], "finished": progress.finished[turn], "tokens": progress.tokens[turn]}
+
+
+def rollout_stats(cfg: MarsRLConfig, run_id: str) -> dict[str, float]:
+    """The run's decode loop in this process: stages run, their mean decode batch (samples), restarts."""
+    loop = rollout_loop(cfg, run_id)
+    sizes = loop.decode_batch_sizes
+    return {
+        "stages": loop.stages,
+        "decode_batch_mean": sum(sizes) / len(sizes) if sizes else 0.0,
+        "restarts": loop.restarts,
+    }
 
 
 def end_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> bool:
@@ -191,8 +188,18 @@ def train_step(
     if _sync_from_memory(cfg, learner) and rt.has_engine(cfg):  # this process's engines take it from memory
         per_agent = cfg.learner.policies == "per_agent"
         weights = {a: learner.state_dict(a) for a in AGENTS} if per_agent else learner.state_dict("solver")
-        rt.publish_weights(run_id, report.step, weights)
+        rt.weight_channel(cfg, run_id).publish(report.step, weights)
     return {"step": report.step, "checkpoint": str(report.checkpoint), "metrics": report.metrics}
+
+
+def follow_learner(cfg: MarsRLConfig, run_id: str, folder: Path, ranks: Any) -> None:
+    """A learner rank other than 0 (no store, MLflow or Prefect): it resumes from the run's last commit
+    with rank 0 and trains its share of every step rank 0 starts, until rank 0 stops it."""
+    from marsrl_core.learn.learner import Learner
+
+    learner = Learner(cfg, None, run_id, folder, checkpoint_root(cfg.output_dir, run_id), ranks=ranks)
+    learner.resume()
+    learner.follow()
 
 
 def evaluate(
@@ -224,6 +231,20 @@ def log_reward_curves(cfg: MarsRLConfig, run_id: str) -> str:
     tracker.log_figure(figure, "reward_curves.png")
     plt.close(figure)
     return f"{tracker.run.info.artifact_uri}/reward_curves.png"
+
+
+def log_timeline(cfg: MarsRLConfig, run_id: str) -> str:
+    """Draw the run's timeline (`timeline.py`) and log the PNG to its MLflow run; returns its URI."""
+    from matplotlib import pyplot as plt
+
+    from marsrl_core.rollout.timeline import draw_timeline, timeline_from_store
+
+    rt = runtime()
+    figure = draw_timeline(timeline_from_store(rt.store(cfg), run_id), f"timeline of run {run_id}")
+    tracker = rt.tracker(cfg, run_id)
+    tracker.log_figure(figure, "timeline.png")
+    plt.close(figure)
+    return f"{tracker.run.info.artifact_uri}/timeline.png"
 
 
 def sample_accounting(cfg: MarsRLConfig, run_id: str) -> dict[str, float]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import duckdb
 
-from marsrl_core.store.connection import CATALOG, StoreConnection
+from marsrl_core.store.connection import CATALOG, StoreConnection, registered
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.schema import ARROW_SCHEMAS
 
@@ -147,11 +147,8 @@ class StoreCompaction(StoreConnection):
             path.unlink(missing_ok=True)  # a file deleted by an earlier, interrupted cleanup is gone already
 
         def forget(con: duckdb.DuckDBPyConnection) -> None:
-            con.register("_due", due)
-            try:
+            with registered(con, "_due", due):
                 con.execute(f"DELETE FROM {scheduled} WHERE data_file_id IN (SELECT data_file_id FROM _due)")
-            finally:
-                con.unregister("_due")
 
         if due.num_rows:
             self._transaction(forget)

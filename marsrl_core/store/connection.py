@@ -56,6 +56,16 @@ def _extension_files() -> dict[str, str]:
     return found
 
 
+@contextlib.contextmanager
+def registered(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> Iterator[None]:
+    """`table` (Arrow) queryable as `name` on `con` for the block."""
+    con.register(name, table)
+    try:
+        yield
+    finally:
+        con.unregister(name)
+
+
 def _is_transient(err: Exception) -> bool:
     text = str(err).lower()
     return any(marker in text for marker in _TRANSIENT)
@@ -238,11 +248,8 @@ class StoreConnection:
     @staticmethod
     def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.Table) -> None:
         name = f"_batch_{table}"
-        con.register(name, batch)
-        try:
+        with registered(con, name, batch):
             con.execute(f"INSERT INTO {CATALOG}.{table} SELECT *, current_timestamp FROM {name}")
-        finally:
-            con.unregister(name)
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> pa.Table:
         """Run any SQL with the lake as the default catalog (tables and views unqualified); a read-only

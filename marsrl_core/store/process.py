@@ -48,7 +48,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from marsrl_core.runtime.faults import crash_point
+from marsrl_core.faults import crash_point
 from marsrl_core.store.protocol import store_calls
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.segment_store import SegmentStore

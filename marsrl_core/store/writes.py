@@ -24,19 +24,15 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 
-from marsrl_core.store.connection import CATALOG, StoreConnection
+from marsrl_core.store.connection import CATALOG, StoreConnection, registered
 from marsrl_core.store.rows import (
     DROPPED_STALE,
     AppendResult,
-    Rejection,
-    RewardRow,
-    SampleRow,
-    SegmentRow,
     StoreError,
     key_table,
     rewards_batch,
@@ -44,6 +40,9 @@ from marsrl_core.store.rows import (
     segments_batch,
 )
 from marsrl_core.store.schema import ARROW_SCHEMAS
+
+if TYPE_CHECKING:
+    from marsrl_core.store.rows import Rejection, RewardRow, SampleRow, SegmentRow
 
 KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown-id checks
 KEYED_WRITES = frozenset({"append", "commit_step", "add_problems", "reject"})  # those `replay` checks first
@@ -173,15 +172,12 @@ class StoreWrites(StoreConnection):
                 columns, label = "sample_id, segment_index", "sample_id || '#' || segment_index"
             else:
                 given, columns, label = key_table("sample_id", values), "sample_id", "sample_id"
-            con.register("_keys", given)
-            try:
+            with registered(con, "_keys", given):
                 rows = con.execute(
                     f"SELECT DISTINCT {label} AS k FROM {CATALOG}.{table} JOIN _keys USING ({columns}) "
                     "WHERE run_id = ? ORDER BY k",
                     [run_id],
                 ).fetchall()
-            finally:
-                con.unregister("_keys")
             if rows:
                 found[table] = [k for (k,) in rows]
         return found
@@ -241,15 +237,12 @@ class StoreWrites(StoreConnection):
         ids_table = key_table("sample_id", ids)
 
         def body(con: duckdb.DuckDBPyConnection) -> None:
-            con.register("_step_ids", ids_table)
-            try:
+            with registered(con, "_step_ids", ids_table):
                 twice = con.execute(
                     f"SELECT count(*) FROM {CATALOG}.consumptions c JOIN _step_ids USING (sample_id) "
                     "WHERE c.run_id = ?",
                     [run_id],
                 ).fetchone()[0]
-            finally:
-                con.unregister("_step_ids")
             exists = con.execute(
                 f"SELECT count(*) FROM {CATALOG}.policy_versions WHERE run_id = ? AND version = ?", [run_id, step]
             ).fetchone()[0]

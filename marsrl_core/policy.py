@@ -22,10 +22,6 @@ from marsrl_core.agents.roles import DEFAULT_TEMPLATES, TINY_TEMPLATES, Roles
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.engines.base import EngineError
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 _build_lock = threading.Lock()
 
 
