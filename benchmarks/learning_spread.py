@@ -60,6 +60,8 @@ def run_seed(seed: int, extra: list[str] | None = None) -> dict[str, float]:
         result = train_flow(learning_config(tmp, seed, extra))
         row = {"seed": seed, "learner_steps": result["learner_steps"], "wall_clock_s": time.perf_counter() - start}
         row["stale_drop_fraction"] = result["samples"]["stale_drop_fraction"]
+        row["trained_age_max"] = result["samples"]["trained_age_max"]
+        row["trained_age_mean"] = result["samples"]["trained_age_mean"]
         for name, key in MEASURES.items():
             row[f"{name}_before"], row[f"{name}_after"] = result["before"][key], result["after"][key]
         return row

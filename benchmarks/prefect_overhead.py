@@ -1,36 +1,24 @@
-"""Prefect overhead per rollout stage: the same rollout batches decoded turn by turn directly through
-`marsrl_core.runtime.work` and through the Prefect `rollouts` flow (what `marsrl rollout` runs: one rollout
-subflow per batch, a DAG of agent-turn tasks), side by side. Both paths run `rollout.batches_in_flight`
-batches at a time (the default, 2), as the `train` and `rollouts` flows do; `--batches-in-flight 1`
-runs them one after another.
+"""What Prefect costs per rollout batch: the same batches through the run's decode loop directly
+(`marsrl_core.runtime.work`: a batch joins the loop, each turn is waited on, the batch ends) and through
+the Prefect `rollouts` flow (what `marsrl rollout` runs: one rollout subflow per batch, a task per
+agent turn spanning that turn), side by side, `rollout.batches_in_flight` batches at a time (2).
 
-The overhead is accounted inside each run: its wall-clock minus the time during which some `work`
-call (the work both paths do: opening the store, recording the run and a batch, decoding a turn,
-marking a batch done) was running, the union of those calls' intervals. With batches in flight, one
-batch's Prefect bookkeeping can overlap another batch's decoding and then costs nothing on the
-critical path; what is left is the time no decoding happened. (On this 2-core machine the decoding
-itself also runs slower beside Prefect's threads and API server, by about 11% in a 16-problem run,
-which only the paired difference shows.) Subtracting two runs' totals instead (the paired difference,
-also printed) cannot resolve a 5% goal here: decoding times of identical runs differ by ±5% on this
-shared machine. The overhead has two parts, both reported:
-- per flow run, once: the parent flow's start and end (~0.75 s: Prefect joins its heartbeat thread,
-  which sleeps in one-second steps), measured as the `rollouts` flow over no batch;
-- per batch: the rollout subflow and its turn tasks (API calls, state changes, parameter checks),
-  mostly hidden now that the next batch's subflow is set up while others decode; what remains is
-  chiefly requests the server answered 503 (on SQLite, a write that conflicted with another; the
-  client retries after 2 s, then 4 s), counted per run. Pointing the temporary server at Postgres
-  (PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://...) removes them; the results file then
-  ends in `_postgresql`.
-`overhead_fraction` is everything over the work (the union above), for this run of `BATCHES` batches;
-`overhead_fraction_per_batch` leaves out the once-per-run part, which a longer run spreads thinner.
-Prefect's temporary API server is a child process: the CPU seconds it uses during each run are
-reported too (`server_cpu_s`); on two cores they compete with decoding, which the paired difference
-includes and the in-run accounting does not.
+The decoding is the same in both paths (one decode loop per run and process); Prefect adds the
+subflow runs, their task runs and their state changes, and its API server's CPU beside the decoding.
+The figure is the paired difference of the two paths' wall-clocks (medians of three alternated runs):
+`overhead_per_batch_s` and `overhead_fraction` (over the direct path's wall-clock). On this shared
+2-core machine identical runs differ by about 5%, which bounds what the difference can resolve. The
+parent flow's own start and end are measured as the `rollouts` flow over no batch
+(`overhead_per_run_s`). Requests the server answered 503 (on SQLite, a write that conflicted with
+another; the client retries after 2 s, then 4 s) are counted per run; pointing the temporary server at
+Postgres (PREFECT_API_DATABASE_CONNECTION_URL=postgresql+asyncpg://...) removes them, and the results
+file then ends in `_postgresql`.
 
 The first flow in a process starts Prefect's temporary server (~15-20 s here); a warm-up flow runs
-first so that start-up is not counted. The two paths alternate, three times each; medians are used.
+first so that start-up is not counted.
 Run: `python benchmarks/prefect_overhead.py`. Writes benchmarks/results/prefect_overhead.json with
-overhead_per_stage_s, stage_s and overhead_fraction (and the parts above).
+overhead_per_batch_s, overhead_fraction, overhead_per_run_s, batch_s (the direct path's seconds per
+batch) and the runs.
 """
 
 from __future__ import annotations
@@ -39,7 +27,6 @@ import logging
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,55 +52,9 @@ def config(root: Path, tag: str, problems_per_batch: int, batches_in_flight: int
             "rollout.segment_tokens=32",
             f"rollout.problems_per_batch={problems_per_batch}",
             f"rollout.batches_in_flight={batches_in_flight}",
+            "learner.max_trained_age=null",  # rollouts alone: no learner paces them
         ],
     )
-
-
-def union_s(intervals: list[tuple[float, float]]) -> float:
-    """Seconds covered by at least one of the (start, end) intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-class WorkTimer:
-    """Wraps the `work` functions the rollout tasks call and records when each call ran."""
-
-    # The store's opening (a new catalog for each run here) and the run's row are work both paths do;
-    # the `rollouts` flow does them in its body, before its first batch.
-    NAMES = ("store_for", "start_run", "record_batch", "rollout_turn", "mark_batch_done")
-
-    def __init__(self) -> None:
-        self.intervals: list[tuple[float, float]] = []
-        self.lock = threading.Lock()
-        self.originals = {name: getattr(workers, name) for name in self.NAMES}
-
-    @property
-    def seconds(self) -> float:
-        return union_s(self.intervals)
-
-    def __enter__(self) -> WorkTimer:
-        for name, original in self.originals.items():
-            setattr(workers, name, self._timed(original))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, original in self.originals.items():
-            setattr(workers, name, original)
-
-    def _timed(self, fn):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                with self.lock:
-                    self.intervals.append((start, time.perf_counter()))
-
-        return timed
 
 
 class RetryCounter(logging.Handler):
@@ -192,24 +133,28 @@ def pin_server_apart() -> None:
         os.sched_setaffinity(int(thread_id), {0})
 
 
-def direct(cfg, run_id: str) -> dict:
+def direct(cfg, run_id: str, batches: int = BATCHES) -> dict:
     """The same batches without Prefect: threads instead of subflows, scheduled as the flows schedule
-    theirs (`flows.rollout.keep_in_flight`), each batch's turns in order."""
-    from flows.rollout import keep_in_flight
+    theirs (`keep_in_flight`), each batch joining the run's decode loop and its turns waited on."""
+    from flows.rollout import PREPARED_AHEAD
+    from flows.subflows import keep_in_flight
 
     def batch(index: int) -> int:
         workers.record_batch(cfg, run_id, index)
-        stages = sum(workers.rollout_turn(cfg, run_id, index, turn)["stages"] for turn in range(cfg.rollout.max_turns))
-        workers.mark_batch_done(cfg, run_id, index)
-        return stages
+        workers.start_batch(cfg, run_id, index)
+        turns = [t for t in range(cfg.rollout.max_turns) if workers.turn_starts(cfg, run_id, index, t)]
+        samples = sum(workers.rollout_turn(cfg, run_id, index, t)["samples"] for t in turns)
+        workers.end_batch(cfg, run_id, index)
+        return samples
 
     server_cpu = children_cpu_s()
-    with WorkTimer() as work, ThreadPoolExecutor(max_workers=8) as pool:
+    limit = cfg.rollout.batches_in_flight + PREPARED_AHEAD
+    with ThreadPoolExecutor(max_workers=limit) as pool:
         start = time.perf_counter()
         workers.start_run(cfg, run_id)  # as the flow does
-        stages = sum(keep_in_flight(range(BATCHES), cfg.rollout.batches_in_flight, lambda b: pool.submit(batch, b)))
+        samples = sum(keep_in_flight(range(batches), limit, lambda b: pool.submit(batch, b)))
         wall = time.perf_counter() - start
-    return {"wall_s": wall, "work_s": work.seconds, "stages": stages, "server_cpu_s": children_cpu_s() - server_cpu}
+    return {"wall_s": wall, "samples": samples, "server_cpu_s": children_cpu_s() - server_cpu}
 
 
 def with_prefect(cfg, run_id: str, batches: int = BATCHES) -> dict:
@@ -217,14 +162,13 @@ def with_prefect(cfg, run_id: str, batches: int = BATCHES) -> dict:
     from flows.rollout import rollouts_flow
 
     server_cpu = children_cpu_s()
-    with WorkTimer() as work, RetryCounter() as retries:
+    with RetryCounter() as retries:
         start = time.perf_counter()
         done = rollouts_flow(cfg, run_id, list(range(batches)))
         wall = time.perf_counter() - start
     return {
         "wall_s": wall,
-        "work_s": work.seconds,
-        "stages": done["stages"],
+        "samples": done["samples"],
         "server_cpu_s": children_cpu_s() - server_cpu,
         "retried_requests": retries.retries,
     }
@@ -276,65 +220,47 @@ def main() -> None:
         return statistics.median(r[key] for r in runs[kind])
 
     database = database_kind()
-    stages = runs["prefect"][0]["stages"]
-    overhead = statistics.median(r["wall_s"] - r["work_s"] for r in runs["prefect"])
-    per_run = statistics.median(r["wall_s"] - r["work_s"] for r in runs["empty"])
-    work = median("prefect", "work_s")
-    stage_s = work / stages
-    paired = (median("prefect", "wall_s") - median("direct", "wall_s")) / median("direct", "wall_s")
+    direct_s, prefect_s = median("direct", "wall_s"), median("prefect", "wall_s")
+    per_run = median("empty", "wall_s")
     figures = {
-        "overhead_per_stage_s": overhead / stages,
-        "stage_s": stage_s,
-        "overhead_fraction": overhead / work,
+        "overhead_per_batch_s": (prefect_s - direct_s) / BATCHES,
+        "overhead_fraction": (prefect_s - direct_s) / direct_s,
         "overhead_per_run_s": per_run,
-        "overhead_per_batch_s": (overhead - per_run) / BATCHES,
-        "overhead_fraction_per_batch": (overhead - per_run) / work,
-        "paired_difference_fraction": paired,
+        "batch_s": direct_s / BATCHES,
         "batches": BATCHES,
         "problems_per_batch": problems,
         "batches_in_flight": in_flight,
-        "stages": stages,
         "server_pinned_apart": args.pin_server,
         "prefect_database": database,
         "retried_requests_per_run": [r["retried_requests"] for r in runs["prefect"]],
-        "direct_uncovered_s": median("direct", "wall_s") - median("direct", "work_s"),
         "server_cpu_s": {"direct": median("direct", "server_cpu_s"), "prefect": median("prefect", "server_cpu_s")},
         "all_runs": runs,
     }
     print_rows(
         f"rollout of {BATCHES} batches x {problems} problems, {in_flight} in flight, tiny model, "
         f"32-token segments, Prefect server on {database} (median of {REPEATS})",
-        ["path", "wall s", "in work s (union)", "stages", "API server CPU s"],
+        ["path", "wall s", "samples", "API server CPU s"],
         [
             [
-                "direct (marsrl_core.runtime.work)",
-                median("direct", "wall_s"),
-                median("direct", "work_s"),
-                runs["direct"][0]["stages"],
+                "direct (the decode loop, marsrl_core.runtime.work)",
+                direct_s,
+                runs["direct"][0]["samples"],
                 median("direct", "server_cpu_s"),
             ],
             [
-                "Prefect: rollouts flow > rollout subflows > tasks",
-                median("prefect", "wall_s"),
-                work,
-                stages,
+                "Prefect: rollouts flow > rollout subflows > turn tasks",
+                prefect_s,
+                runs["prefect"][0]["samples"],
                 median("prefect", "server_cpu_s"),
             ],
-            [
-                "Prefect: rollouts flow over no batch",
-                median("empty", "wall_s"),
-                median("empty", "work_s"),
-                0,
-                median("empty", "server_cpu_s"),
-            ],
+            ["Prefect: rollouts flow over no batch", per_run, 0, median("empty", "server_cpu_s")],
         ],
     )
     print(
-        f"Prefect overhead: {overhead:.2f} s in the run = {overhead / stages * 1000:.1f} ms per stage = "
-        f"{overhead / work:.1%} of a stage (goal < 5%); of it {per_run:.2f} s once per flow run, "
-        f"{figures['overhead_per_batch_s'] * 1000:.0f} ms per batch ({figures['overhead_fraction_per_batch']:.1%}). "
-        f"Paired difference of medians: {paired:+.1%} (noise ±5%). Requests the server answered 503 "
-        f"(retried after 2 s, 4 s, ...), per run: {figures['retried_requests_per_run']}."
+        f"Prefect overhead: {figures['overhead_per_batch_s'] * 1000:.0f} ms per batch of "
+        f"{figures['batch_s']:.2f} s ({figures['overhead_fraction']:+.1%}, noise about 5%); the parent flow's "
+        f"start and end {per_run:.2f} s once per run. Requests the server answered 503 (retried after 2 s, "
+        f"4 s, ...), per run: {figures['retried_requests_per_run']}."
     )
     name = (
         "prefect_overhead"

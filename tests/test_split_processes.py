@@ -44,7 +44,10 @@ def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
     assert learner.returncode == 0, out[-3000:]
     store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
     assert store.latest_version("split")[0] == 3  # versions advanced to the step budget
-    assert store.count("problems", "split") == 24 and store.count("rewards", "split") == store.count("samples", "split")
+    # The rollout process starts no batch once the learner has its steps (at most the 12 batches' 24
+    # problems are recorded); whatever it admitted, it decoded to the end.
+    assert 0 < store.count("problems", "split") <= 24
+    assert store.count("rewards", "split") == store.count("samples", "split")
     assert_exactly_once(store, "split")
     # Every committed checkpoint is whole, and segments were decoded under more than one version only if the
     # rollout process picked the learner's checkpoints up from the store.

@@ -53,8 +53,8 @@ class Runtime:
         self._leases: dict[str, LearnerLease] = {}
         self._interrupted: set[str] = set()
         self._trimmer: MemoryTrimmer | None = None
-        self._channels: dict[str, WeightChannel] = {}
-        self._loops: dict[str, RolloutLoop] = {}
+        self._channels: dict[tuple[str, str, str], WeightChannel] = {}  # (catalog, data path, run)
+        self._loops: dict[tuple[str, str, str], RolloutLoop] = {}
 
     # ------------------------------------------------------------------ services
     def store(self, cfg: MarsRLConfig) -> Store:
@@ -91,25 +91,28 @@ class Runtime:
         with self._lock:
             return any(key[:2] == (folder, name) for key in self._engines)
 
-    def rollout_loop(self, run_id: str, make_scheduler: Any) -> RolloutLoop:
+    def rollout_loop(self, cfg: MarsRLConfig, run_id: str, make_scheduler: Any) -> RolloutLoop:
         """The run's decode loop in this process (`rollout/loop.py`), made with `make_scheduler` when it
-        has none or its last one ended (an interrupt, repeated failures)."""
+        has none or its last one ended (an interrupt, repeated failures). Kept per store and run: a run
+        id may recur in another store."""
+        key = (cfg.store.catalog_url, cfg.store.data_path, run_id)
         with self._lock:
-            loop = self._loops.get(run_id)
+            loop = self._loops.get(key)
             if loop is None or loop.ended:
                 interrupted = lambda: self.interrupted(run_id)  # noqa: E731
-                loop = self._loops[run_id] = RolloutLoop(make_scheduler, interrupted=interrupted)
+                loop = self._loops[key] = RolloutLoop(make_scheduler, interrupted=interrupted)
             return loop
 
     # ------------------------------------------------------------------ weights
     def weight_channel(self, cfg: MarsRLConfig, run_id: str) -> WeightChannel:
         """The run's `WeightChannel` in this process: its learner publishes there, its engines take
         each committed version from there (from memory when published here, else its folder)."""
+        key = (cfg.store.catalog_url, cfg.store.data_path, run_id)
         with self._lock:
-            if run_id not in self._channels:
+            if key not in self._channels:
                 per_agent = cfg.learner.policies == "per_agent"
-                self._channels[run_id] = WeightChannel(self.store(cfg), run_id, per_agent=per_agent)
-            return self._channels[run_id]
+                self._channels[key] = WeightChannel(self.store(cfg), run_id, per_agent=per_agent)
+            return self._channels[key]
 
     def engines(self, cfg: MarsRLConfig) -> BatchingEngine | dict[str, BatchingEngine]:
         """One engine for all agents, or one per agent (`learner.policies=per_agent`)."""
@@ -200,6 +203,7 @@ class Runtime:
             for loop in self._loops.values():
                 loop.close()
             self._loops.clear()
+            self._channels.clear()
             stores = list(self._stores.values())
             self._stores.clear()
             self._learners.clear()

@@ -118,7 +118,7 @@ def _make_scheduler(cfg: MarsRLConfig, run_id: str) -> RolloutScheduler:
 
 def rollout_loop(cfg: MarsRLConfig, run_id: str) -> RolloutLoop:
     """The run's decode loop in this process."""
-    return runtime().rollout_loop(run_id, functools.partial(_make_scheduler, cfg, run_id))
+    return runtime().rollout_loop(cfg, run_id, functools.partial(_make_scheduler, cfg, run_id))
 
 
 def start_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> None:
@@ -251,14 +251,18 @@ def sample_accounting(cfg: MarsRLConfig, run_id: str) -> dict[str, float]:
     """What became of a run's finished samples: trained, dropped untrained as stale
     (`stale_groups='drop'`), left out of the loss as truncated (`mask_truncated_completions`; consumed by
     a step, so counted among the trained), and still pending (finished, never consumed).
-    `stale_drop_fraction` is the untrained ones (dropped or masked) over those a step consumed."""
+    `stale_drop_fraction` is the untrained ones (dropped or masked) over those a step consumed;
+    `trained_age_max` and `trained_age_mean` the versions between a trained sample's first token and
+    the policy its step trained (the `staleness` view)."""
     store = runtime().store(cfg)
     row = store.query(
         """SELECT (SELECT count(DISTINCT sample_id) FROM rewards WHERE run_id = $1) AS finished,
                   (SELECT count(*) FROM consumptions WHERE run_id = $1 AND learner_step > 0) AS trained,
                   (SELECT count(*) FROM consumptions WHERE run_id = $1 AND learner_step < 0) AS dropped_stale,
                   (SELECT coalesce(sum(CAST(json_extract(metrics_json, '$.masked_truncated_samples') AS DOUBLE)), 0)
-                   FROM train_steps WHERE run_id = $1) AS masked_truncated""",
+                   FROM train_steps WHERE run_id = $1) AS masked_truncated,
+                  (SELECT coalesce(max(staleness), 0) FROM staleness WHERE run_id = $1) AS trained_age_max,
+                  (SELECT coalesce(avg(staleness), 0) FROM staleness WHERE run_id = $1) AS trained_age_mean""",
         [run_id],
     ).to_pylist()[0]
     consumed = row["trained"] + row["dropped_stale"]
