@@ -6,27 +6,28 @@ at the producer: a new rollout may start only while (eta + v + 1) x B exceeds th
 so far plus those running, v being the learner's version and B its batch. Here a learner step takes
 up to `groups_per_step` groups of each agent, and the gate applies the rule per agent in groups:
 
-    a new problem (one Solver group) is admitted only while, for every agent,
-        started groups - consumed groups (+ 1 for the Solver) <= (eta + 1 - lag) x groups per step
+    k new groups of an agent (a problem's Solver group, or a downstream turn's groups) start only while
+        started groups - consumed groups + k <= (eta + 1 - lag) x that agent's groups per step
 
-where started counts the run's groups (trained, waiting to be trained and still decoding), consumed
-those its learner steps took (trained, or dropped as stale), eta is `learner.max_trained_age` and lag
-the versions the learner has committed beyond the one the engines hold (a new sample starts under
-the engines' version). Every untrained group then fits in the next eta + 1 - lag steps, so none is
-trained more than eta versions after the version it started under, whatever the learner's speed. A
-late learner (a learner process that starts after the rollouts) makes the rollouts wait at the first
-eta + 1 steps' worth.
+where started counts the run's groups of that agent (trained, waiting to be trained and still
+decoding), consumed those its learner steps took (trained, or dropped as stale), eta is
+`learner.max_trained_age` and lag the versions the learner has committed beyond the one the engines
+hold (a new sample starts under the engines' version). A problem waits for admission, and a problem's
+next turn waits at its stage boundary, until the learner has made room. Every untrained group then
+fits in the next eta + 1 - lag steps, so none is trained more than eta versions after the version it
+started under, whatever the learner's speed. A late learner (a learner process that starts after the
+rollouts) makes the rollouts wait at the first eta + 1 steps' worth.
 
-The counts and the learner's version are read from the store together when the gate would close (at
+The learner's version is read from the store at every stage, the counts when the gate would close (at
 most every `refresh_s`), so the gate sees the steps of a learner in another process; in between it
-adds the groups its own scheduler created, and a new version the engines take counts from that read.
-The bound assumes a step takes a full `groups_per_step` of an agent, oldest complete first: a group
-that decodes for longer than the learner takes to train the rest can still be older when trained
-(the learner's `stale_groups` handles it).
+adds the groups its own scheduler created.
+A step takes at most `groups_per_step` of an agent, oldest complete first, and fewer when another
+agent made the step ready: the bound counts the groups per step the run's steps have taken on average
+(`per_step`). A group that decodes for longer than the learner takes to train the rest can still be
+older when trained (the learner's `stale_groups` handles it).
 
-Deliberate simplifications: downstream groups are created from problems already admitted, so their
-backlog is bounded by holding back new problems, not the groups themselves; with several rollout
-processes for one run each adds only its own groups between two reads of the store.
+Deliberate simplification: with several rollout processes for one run each adds only its own groups
+between two reads of the store.
 """
 
 from __future__ import annotations
@@ -36,11 +37,9 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from marsrl_core.agents.roles import SOLVER
-
 
 class AdmissionGate:
-    """Whether one more problem may start (`admits`), from the store's group counts of `run_id`."""
+    """Whether more groups of an agent may start (`room`), from the store's group counts of `run_id`."""
 
     def __init__(
         self, store: Any, run_id: str, groups_per_step: Mapping[str, int], max_trained_age: int, refresh_s: float = 0.5
@@ -56,19 +55,27 @@ class AdmissionGate:
         self._read_at: float | None = None
         self.closed_reads = 0  # reads that found the gate closed
 
-    def admits(self, created: Counter[str], stored: Counter[str], engine_version: int) -> bool:
-        """Whether a new problem may start under `engine_version` (the policy its samples would start
-        with). `created`: the groups this process's scheduler has created so far, per agent; `stored`:
-        those of them its appends have stored. Reads the store first if what the gate holds says no."""
-        if self._open(created, engine_version):
+    def room(self, agent: str, groups: int, created: Counter[str], stored: Counter[str], engine_version: int) -> bool:
+        """Whether `groups` more groups of `agent` may start under `engine_version` (the policy they
+        would start with). `created`: the groups this process's scheduler has created so far, per
+        agent; `stored`: those of them its appends have stored. Reads the store first if what the gate
+        holds says no."""
+        if self._open(agent, groups, created, engine_version):
             return True
         if self._read_at is not None and time.monotonic() - self._read_at < self.refresh_s:
             return False
         self.read(stored)
-        if self._open(created, engine_version):
+        if self._open(agent, groups, created, engine_version):
             return True
         self.closed_reads += 1
         return False
+
+    def read_version(self) -> None:
+        """Take the learner's committed version from the store (each stage: a group's age counts from
+        the version it starts under, so the gate must not think the learner further behind than it
+        is; counts read earlier only overstate the backlog, which errs on the side of waiting)."""
+        latest = self.store.latest_version(self.run_id)
+        self.learner_version = latest[0] if latest else 0
 
     def read(self, stored: Counter[str]) -> None:
         """Take the run's started and consumed group counts from the store, then the learner's version
@@ -76,10 +83,9 @@ class AdmissionGate:
         committed between the two reads makes the version newer than the counts: the gate then errs on
         the side of waiting."""
         counts = self.store.group_counts(self.run_id)
-        latest = self.store.latest_version(self.run_id)
+        self.read_version()
         self.started = Counter({agent: c["started"] for agent, c in counts.items()})
         self.consumed = Counter({agent: c["consumed"] for agent, c in counts.items()})
-        self.learner_version = latest[0] if latest else 0
         self._local_at_read = Counter(stored)
         self._read_at = time.monotonic()
 
@@ -88,12 +94,16 @@ class AdmissionGate:
         since = created - self._local_at_read
         return {agent: self.started[agent] + since[agent] - self.consumed[agent] for agent in self.groups_per_step}
 
-    def _open(self, created: Counter[str], engine_version: int) -> bool:
+    def _open(self, agent: str, groups: int, created: Counter[str], engine_version: int) -> bool:
         # Counted from the learner's version at the read: a new group is trained within
         # ceil((backlog + 1) / per step) steps of it, and its age is that version plus those steps,
         # minus one, minus the version it starts under (the engines').
         steps = self.max_trained_age + 1 - (self.learner_version - engine_version)
-        backlog = self.backlog(created)
-        return all(
-            backlog[agent] + (agent == SOLVER) <= steps * per_step for agent, per_step in self.groups_per_step.items()
-        )
+        return self.backlog(created)[agent] + groups <= steps * self.per_step(agent)
+
+    def per_step(self, agent: str) -> float:
+        """The groups of `agent` a learner step takes: `groups_per_step`, or fewer, as many as its steps
+        have taken on average (a step that another agent made ready takes what of this one is ready)."""
+        if self.learner_version == 0:
+            return self.groups_per_step[agent]
+        return min(self.groups_per_step[agent], max(1.0, self.consumed[agent] / self.learner_version))

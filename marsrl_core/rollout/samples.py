@@ -74,7 +74,7 @@ class BatchProgress:
     where each problem still in flight stands (its current turn, and whether that turn has finished)."""
 
     waiting: int = 0  # problems not admitted yet
-    dropped: int = 0  # problems dropped unadmitted (the run stopped)
+    dropped: int = 0  # problems dropped unadmitted or cut short at the gate (the run stopped)
     problems: int = 0  # admitted
     done_problems: int = 0
     samples: Counter = field(default_factory=Counter)  # turn -> samples started

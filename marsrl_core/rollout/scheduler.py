@@ -2,36 +2,32 @@
 
 A trajectory unrolls Solver -> Verifier -> Corrector -> Verifier -> Corrector (`max_turns` <= 5).
 Per problem the Solver samples a group of `num_generations`; once every group of a turn of that
-problem has finished, the next agent selects `select_inputs` of those outputs (see `selection.py`)
-and samples a group of `downstream_generations` for each. Only Verifier outputs with a `Wrong`
-verdict can feed a Corrector; when none is left, that problem's trajectory ends.
+problem has finished, the next agent selects inputs among its outputs and samples a group of
+`downstream_generations` for each (`turns.py`); with no Verifier output saying `Wrong` there is no
+Corrector turn, and the trajectory ends.
 
 Problems arrive in batches (`add_problems`) and wait for admission. The scheduler runs in stages. A stage
 1. applies a newer policy version if one was offered and no in-flight sample would then span more
-   than `max_version_span` versions (otherwise it waits, and admits no new problems so the old
-   samples drain: the bound is never exceeded);
+   than `max_version_span` versions (otherwise it waits and admits nothing, so the old samples drain);
 2. admits waiting problems, oldest first, up to `problems_per_batch` x `batches_in_flight` in flight
-   (the synchronous baseline admits one batch, and only when the previous one has ended), and only
-   while the admission gate (`gate.py`: the learner's pace) allows;
+   (the synchronous baseline: one batch, when the previous one has ended), while the admission gate
+   (`gate.py`: the learner's pace) has room for a Solver group;
 3. decodes one segment (`segment_tokens`, capped by each agent's remaining budget) for every
    unfinished sample of every problem in one engine batch;
 4. rewards what finished (decoupled: at once; shared: when the problem's trajectories end), creates
-   the downstream groups whose inputs are now complete, and appends new samples, the segments and
-   the rewards to the store in one transaction.
+   the downstream groups whose inputs are now complete (a turn waits while the gate has no room for
+   its agent), and appends new samples, segments and rewards to the store in one transaction.
 So a problem's next agent starts at the first stage boundary after its own inputs are complete,
-whatever the rest of its batch is doing (`turn_barrier=True` instead holds every problem of a batch
-until the whole batch has finished its turn: the rule the simulator compares against). Outputs cut by
-their budget are `budget`-finished and rewarded `truncated_reward`.
-
-Shared reward (the ablation baseline): a turn's reward is the final outcome of the trajectory through
-it (is the last solution right?); when a turn feeds several trajectories, the mean of their outcomes.
+whatever the rest of its batch is doing (`turn_barrier=True` instead holds a batch's problems until
+the whole batch has finished its turn: the rule the simulator compares against). Outputs cut by their
+budget are `budget`-finished and rewarded `truncated_reward`. Shared reward (the ablation baseline): a
+turn's reward is the mean final outcome of the trajectories through it.
 
 `add_problems` (and `resume`) rebuild the state of problems the store holds already (after a crash):
 finished samples keep their rewards, unfinished ones continue from their stored prefix, nothing
 stored is decoded again. A stage whose rows the store holds already (its state was behind the store)
 writes nothing and raises `RolloutBehindStore`; a new scheduler resumed from the store continues.
-`batch_progress(b)` tells, per turn, what of batch `b` has started and finished (the flows' turn tasks
-wait on it).
+`batch_progress(b)` tells, per turn, what of batch `b` has started and finished.
 
 Deliberate simplifications: a downstream turn waits for all groups of the previous turn of the same
 problem (not just one group); prompts that do not fit the engine's context with their budget are
@@ -65,7 +61,7 @@ from marsrl_core.rollout.samples import (
     sample_row,
     shared_outcome,
 )
-from marsrl_core.rollout.turns import next_turn_inputs
+from marsrl_core.rollout.turns import batches_on_their_turn, has_next_turn, next_turn_inputs
 from marsrl_core.rollout.weights import WeightChannel
 from marsrl_core.store import Rejection, RewardRow, SegmentRow, Store
 
@@ -108,10 +104,11 @@ class RolloutScheduler:
         self.states: dict[str, ProblemState] = {}
         self.weights = weights if weights is not None else WeightChannel()
         self.context = getattr(self.engine, "max_positions", None) or getattr(self.engine, "max_model_len", None)
-        self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0, "gated_stages": 0}
+        self.stats = {"stages": 0, "deferred_updates": 0, "rejected_prompts": 0, "gated_stages": 0, "held_turns": 0}
         self.started_groups: Counter[str] = Counter()  # groups this scheduler created, per agent
         self.stored_groups: Counter[str] = Counter()  # and those of them its appends stored
-        self.dropped: Counter[int | None] = Counter()  # problems dropped unadmitted, per batch
+        self.dropped: Counter[int | None] = Counter()  # problems dropped unadmitted or cut short, per batch
+        self.draining = False  # stopping: no admission, and no waiting at the gate
         self.synchronous = self.rc.synchronous
         self.gate = gate
         self.judge = judge
@@ -134,8 +131,7 @@ class RolloutScheduler:
         self.weights.offer(version, weights)
 
     def _apply_pending(self) -> bool:
-        """Apply an offered policy unless an in-flight sample would then span more than `max_version_span`
-        versions; False when it was deferred."""
+        """Apply an offered policy unless an in-flight sample would then span too many versions (False)."""
         oldest = min((s.start_version for s in self.in_flight() if s.start_version is not None), default=None)
         applied = self.weights.apply(self.engines, self.version, oldest, self.rc.max_version_span)
         if not applied:
@@ -144,9 +140,8 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ state
     def release(self) -> None:
-        """Unlink the samples (a parent lists its children, each child names its parent: a reference
-        cycle), so that dropping the scheduler frees them at once instead of at the garbage collector's
-        next full pass; the scheduler is not used afterwards."""
+        """Unlink the samples (parents and children refer to each other), so that dropping the scheduler
+        frees them at once, not at the collector's next full pass; the scheduler is not used afterwards."""
         for batch in {st.batch for st in self.states.values()}:
             self.forget_batch(batch)
         self.waiting.clear()
@@ -181,7 +176,9 @@ class RolloutScheduler:
         self.waiting = deque((b, p) for b, p in self.waiting if b != batch)
 
     def drop_waiting(self) -> int:
-        """Forget the problems not admitted yet (a run that is stopping); returns how many."""
+        """Forget the problems not admitted yet, and end a trajectory whose next turn the gate holds (a
+        run that is stopping); returns how many problems were dropped or cut short so far."""
+        self.draining = True
         self.dropped.update(batch for batch, _ in self.waiting)
         self.waiting.clear()
         return sum(self.dropped.values())
@@ -237,7 +234,9 @@ class RolloutScheduler:
             if problem.problem_id in self.states:  # admitted before a resume
                 self.waiting.popleft()
                 continue
-            if self.gate is not None and not self.gate.admits(self.started_groups, self.stored_groups, self.version):
+            if self.gate is not None and not self.gate.room(
+                SOLVER, 1, self.started_groups, self.stored_groups, self.version
+            ):
                 self.stats["gated_stages"] += 1
                 break
             self.waiting.popleft()
@@ -263,6 +262,8 @@ class RolloutScheduler:
         rejected: list[Rejection] = []
         created: list[Sample] = []
         self.weights.poll(self.version)
+        if self.gate is not None:
+            self.gate.read_version()
         if self._apply_pending():
             created = self._admit(rejected)
             report.admitted = len({s.problem.problem_id for s in created})
@@ -305,7 +306,7 @@ class RolloutScheduler:
                     report.finished += 1
                     if self.rc.reward_mode == "decoupled":
                         rewards.append(reward_row(sample, sample.judgement.reward))
-        held = self._batches_still_on_their_turn() if self.turn_barrier else set()
+        held = batches_on_their_turn(self.states.values()) if self.turn_barrier else set()
         for state in self.states.values():
             if not state.done and state.batch not in held:
                 created += self._advance(state, rejected, rewards)
@@ -351,14 +352,6 @@ class RolloutScheduler:
             truncated_reward=self.rc.truncated_reward,
         )
 
-    def _batches_still_on_their_turn(self) -> set[int | None]:
-        """The batches with a sample still decoding (`turn_barrier`: none of their problems advances)."""
-        return {
-            st.batch
-            for st in self.states.values()
-            if not st.done and any(s.finish is None for s in st.turns[max(st.turns)])
-        }
-
     def _advance(self, state: ProblemState, rejected, rewards: list[RewardRow]) -> list[Sample]:
         """Create the next turn's groups once the current turn has finished; close the problem when done."""
         turn = max(state.turns)
@@ -366,8 +359,15 @@ class RolloutScheduler:
         if any(s.finish is None for s in current):
             return []
         created: list[Sample] = []
-        if turn + 1 < self.rc.max_turns:
-            created = self._downstream(state, turn + 1, current, rejected)
+        if turn + 1 < self.rc.max_turns and has_next_turn(turn + 1, current):
+            agent, room = agent_of_turn(turn + 1), self.rc.select_inputs
+            if self.gate is None or self.gate.room(agent, room, self.started_groups, self.stored_groups, self.version):
+                created = self._downstream(state, turn + 1, current, rejected)
+            elif not self.draining:
+                self.stats["held_turns"] += 1  # the learner has not caught up with this agent: next stage
+                return []
+            else:  # the run is stopping: the trajectory ends here, and its batch counts as cut short
+                self.dropped[state.batch] += 1
         if created:
             state.turns[turn + 1] = created
             return created

@@ -1,4 +1,5 @@
-"""A problem's next turn: which outputs of the turn before feed it, and the prompts they make.
+"""A problem's next turn: whether there is one, which outputs of the turn before feed it, and the
+prompts they make.
 
 A Verifier judges a solution: its candidates are the turn's Solver (or Corrector) outputs, and
 incorrect ones are preferred. A Corrector revises a solution that a Verifier flagged: its candidates
@@ -10,16 +11,29 @@ follow `rollout.select_inputs`, `selection` and `explore` (`agents/selection.py`
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from typing import Any
 
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.roles import CORRECTOR, VERIFIER, WRONG, Roles, parse_bug_report
 from marsrl_core.agents.selection import select_inputs
-from marsrl_core.rollout.samples import Sample, agent_of_turn
+from marsrl_core.rollout.samples import ProblemState, Sample, agent_of_turn
 
 
 def _report(verifier_output: Sample) -> str:
     return parse_bug_report(verifier_output.text)
+
+
+def batches_on_their_turn(states: Iterable[ProblemState]) -> set[int | None]:
+    """The batches with a sample still decoding: under the per-batch turn barrier none of their
+    problems starts its next turn (the rule the simulator compares the streaming one against)."""
+    return {st.batch for st in states if not st.done and any(s.finish is None for s in st.turns[max(st.turns)])}
+
+
+def has_next_turn(turn: int, upstream: list[Sample]) -> bool:
+    """Whether a problem plays turn `turn` after its finished `upstream` turn: a Verifier always, a
+    Corrector only if a Verifier output says Wrong."""
+    return agent_of_turn(turn) == VERIFIER or any(v.judgement.parsed == WRONG for v in upstream)
 
 
 def next_turn_inputs(
