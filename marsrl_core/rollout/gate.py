@@ -9,6 +9,8 @@ up to `groups_per_step` groups of each agent, and the gate applies the rule per 
     k new groups of an agent (a problem's Solver group, or a downstream turn's groups) start only while
         started groups - consumed groups + k <= (eta + 1 - lag) x that agent's groups per step
 
+or while fewer than one step's worth (`groups_per_step`) of that agent are started and not consumed,
+
 where started counts the run's groups of that agent (trained, waiting to be trained and still
 decoding), consumed those its learner steps took (trained, or dropped as stale), eta is
 `learner.max_trained_age` and lag the versions the learner has committed beyond the one the engines
@@ -23,8 +25,10 @@ most every `refresh_s`), so the gate sees the steps of a learner in another proc
 adds the groups its own scheduler created.
 A step takes at most `groups_per_step` of an agent, oldest complete first, and fewer when another
 agent made the step ready: the bound counts the groups per step the run's steps have taken on average
-(`per_step`). A group that decodes for longer than the learner takes to train the rest can still be
-older when trained (the learner's `stale_groups` handles it).
+(`per_step`). The one-step floor keeps the learner from waiting on groups that wait on it (a step is
+ready once an agent has `groups_per_step` complete groups); where it is above the bound, an agent's
+groups can be older than eta when trained. So can a group that decodes for longer than the learner
+takes to train the rest. The learner's `stale_groups` handles both.
 
 Deliberate simplification: with several rollout processes for one run each adds only its own groups
 between two reads of the store.
@@ -98,8 +102,14 @@ class AdmissionGate:
         # Counted from the learner's version at the read: a new group is trained within
         # ceil((backlog + 1) / per step) steps of it, and its age is that version plus those steps,
         # minus one, minus the version it starts under (the engines').
+        # Below one step's worth of an agent the gate stays open (`groups_per_step`: what makes a step
+        # ready), so that the learner can always take its next step: a bound below it would hold every
+        # problem at a turn the learner waits for, and neither would move again.
         steps = self.max_trained_age + 1 - (self.learner_version - engine_version)
-        return self.backlog(created)[agent] + groups <= steps * self.per_step(agent)
+        if steps <= 0:  # the engines are eta + 1 versions behind: the next weight update comes first
+            return False
+        backlog = self.backlog(created)[agent]
+        return backlog < self.groups_per_step[agent] or backlog + groups <= steps * self.per_step(agent)
 
     def per_step(self, agent: str) -> float:
         """The groups of `agent` a learner step takes: `groups_per_step`, or fewer, as many as its steps

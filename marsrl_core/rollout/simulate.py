@@ -343,11 +343,17 @@ def _run_synchronous(scheduler: RolloutScheduler, learner: SimLearner, clock: Cl
 
 def _run_pipelined(scheduler: RolloutScheduler, learner: SimLearner, clock: Clock, done) -> None:
     """Stages on the fleet; the learner's steps beside them, each committed once the clock has passed its
-    end; the clock ends at the last step's end."""
+    end; the clock ends at the last step's end. Raises if neither moves for a few stages (a gate that
+    waits on a learner that waits on it)."""
+    still = 0
     while True:
         report = scheduler.stage()
         if learner.running is None:
             learner.start(clock.now)
+        moved = report.decoded or report.admitted or report.new_samples or learner.running is not None
+        still = 0 if moved else still + 1
+        if still > 3:
+            raise RuntimeError(f"the simulated run stalled at learner step {learner.step}: {scheduler.stats}")
         while learner.running is not None and learner.running[0] <= clock.now:
             ended = learner.finish()
             if done():
