@@ -79,7 +79,7 @@ def test_a_batchs_samples_are_freed_when_its_flow_is_done_with_it(tmp_path):
     from marsrl_core.rollout.scheduler import Sample
     from tests.configs import small_config
 
-    cfg = small_config(tmp_path)
+    cfg = small_config(tmp_path, **{"learner.max_trained_age": "null"})  # no learner here: nothing gates
     for batch in (0, 1):
         work.record_batch(cfg, "freed", batch)
     work.start_batch(cfg, "freed", 0)

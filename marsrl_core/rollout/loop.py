@@ -134,6 +134,13 @@ class RolloutLoop:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        try:
+            self._stages()
+        except BaseException as err:  # a bug, not a failed stage: every waiter hears of it, nothing hangs
+            self._end(err)
+            raise
+
+    def _stages(self) -> None:
         failures = idle_stages = 0
         while not self._closed:
             if self._interrupted():
@@ -159,11 +166,15 @@ class RolloutLoop:
                         self.decode_batch_sizes.append(report.decoded)
                     idle = not report.decoded and not report.admitted
                 self._publish()
-            idle_stages = idle_stages + 1 if idle else 0
+            idle_stages = min(idle_stages + 1, 20) if idle else 0
             if idle:  # nothing to decode (done, or the gate holds every waiting problem): back off
                 with self._changed:
-                    if not self._inbox:
-                        self._changed.wait(min(self.idle_s * 1.5**idle_stages, MAX_IDLE_S))
+                    if self._inbox:
+                        continue
+                    if not self._batches:  # no batch left: the thread ends, the next add_batch starts one
+                        self._thread = None
+                        return
+                    self._changed.wait(min(self.idle_s * 1.5**idle_stages, MAX_IDLE_S))
 
     def _take_inbox(self) -> None:
         """Apply the batch changes asked for since the last stage (under `_lock`)."""
