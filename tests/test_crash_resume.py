@@ -59,27 +59,35 @@ ROLLOUT_POINTS, LEARNER_POINTS = ("rollout.append",), ("learner.update", "checkp
 KINDS = [*ROLLOUT_POINTS, *LEARNER_POINTS, "timer"]
 
 
-def _next_kill(rng: random.Random, landed: list[str], rollouts_finished: bool) -> tuple[str, float]:
+def _next_kill(rng: random.Random, landed: list[str], rollouts_finished: bool, steps_done: int) -> tuple[str, float]:
     """(crash point, n-th arrival) or ("timer", seconds): each kind in turn at first (so every phase is
-    hit), then drawn at random; once the rollouts have finished only the learner's points remain."""
-    kinds = [k for k in KINDS if not (rollouts_finished and k in ROLLOUT_POINTS)]
+    hit), then drawn at random. Only points a resumed run still reaches are drawn: the rollouts'
+    while they have not finished and the learner has half its steps to go (the train flow stops
+    admitting problems once the learner has its steps, so late in a run few appends are left), the
+    learner's at an arrival within the steps it has left."""
+    left = MAX_STEPS - steps_done
+    kinds = [k for k in KINDS if k not in ROLLOUT_POINTS or (not rollouts_finished and left > MAX_STEPS // 2)]
+    kinds = [k for k in kinds if k not in LEARNER_POINTS or left > 0]
     unhit = [k for k in kinds if k not in landed]
     kind = unhit[0] if unhit else rng.choice(kinds)
     if kind == "timer":
         return kind, rng.uniform(5.0, 12.0)  # an uninterrupted run takes ~45 s here, ~8 s of it start-up
-    return kind, rng.randint(1, 6) if kind in ROLLOUT_POINTS else rng.randint(1, 2)
+    return kind, rng.randint(1, 3) if kind in ROLLOUT_POINTS else rng.randint(1, min(2, left))
 
 
-def _stored(store_paths: tuple[str, str]) -> tuple[bool, bool, set[tuple[str, int]]]:
-    """(whether the run is recorded, whether its rollouts finished, its segments), read from this process."""
+def _stored(store_paths: tuple[str, str]) -> tuple[bool, bool, int, set[tuple[str, int]]]:
+    """(whether the run is recorded, whether its rollouts finished, its learner's committed steps, its
+    segments), read from this process."""
     if not Path(store_paths[0].removeprefix("sqlite:")).exists():
-        return False, False, set()
+        return False, False, 0, set()
     store = SegmentStore(*store_paths, create=False)
     try:
         rows = store.query("SELECT sample_id, segment_index FROM segments").to_pylist()
+        latest = store.latest_version("crashy")
         return (
             store.run_config("crashy") is not None,
             store.has_event("crashy", "rollouts_finished"),
+            latest[0] if latest else 0,
             {(r["sample_id"], r["segment_index"]) for r in rows},
         )
     finally:
@@ -95,8 +103,9 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
     seen: set[tuple[str, int]] = set()
     rng, landed = random.Random(7), []
     started = rollouts_finished = False
+    steps_done = 0
     while len(landed) < KILLS:
-        point, when = _next_kill(rng, landed, rollouts_finished)
+        point, when = _next_kill(rng, landed, rollouts_finished, steps_done)
         command = [*marsrl, "--resume", "crashy"] if started else [*marsrl, "--run-id", "crashy"]
         run_env = env | ({} if point == "timer" else {"MARSRL_CRASH_AT": f"{point}:{int(when)}"})
         process = subprocess.Popen(
@@ -115,7 +124,8 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
             f"kill {len(landed)} at {point}:{when} did not land:\n{out[-3000:]}"
         )
         landed.append(point)
-        started, rollouts_finished, now = _stored(store_paths)  # a kill before the run was recorded: start anew
+        # A kill before the run was recorded: start anew.
+        started, rollouts_finished, steps_done, now = _stored(store_paths)
         assert seen <= now, f"segments lost after the kill at {point}"
         seen = now
     assert set(landed) == set(KINDS)
@@ -123,7 +133,7 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
     final = subprocess.run([*marsrl, "--resume", "crashy"], env=env, capture_output=True, text=True, timeout=900)
     assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
 
-    assert seen <= _stored(store_paths)[2]
+    assert seen <= _stored(store_paths)[3]
     store = SegmentStore(*store_paths, create=False)
     assert_exactly_once(store, "crashy")
     versions = store.query(
