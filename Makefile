@@ -37,7 +37,7 @@ train: install
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -m "not vllm and not learning"
+	$(BIN)/python -m pytest -q --durations=15 -m "not vllm and not learning"
 	$(BIN)/python -m pytest -q -m learning
 	$(BIN)/python -m pytest -q -m vllm
 
