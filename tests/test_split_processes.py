@@ -14,9 +14,16 @@ from tests.configs import assert_exactly_once, process_config_file
 
 @pytest.mark.slow
 def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
-    # 12 batches: enough decoding after the learner's first step (each process also starts its store's
-    # child process) that the rollout picks a newer version up; with 6, one CI run ended before it.
-    learner = {"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": 3, "learning_rate": 1e-3}
+    # The gate with max_trained_age 1 lets the rollout process decode two steps' worth under the warm
+    # start; the third step's groups wait for the learner's versions, so the rollout process has to pick
+    # them up from the store (with the default 4, the three steps' groups all decode under version 0).
+    learner = {
+        "groups_per_step": 2,
+        "downstream_groups_per_step": 2,
+        "max_steps": 3,
+        "learning_rate": 1e-3,
+        "max_trained_age": 1,
+    }
     path = process_config_file(tmp_path, "split", data={"num_batches": 12}, learner=learner | {"warmup_steps": 0})
 
     # Each process runs Prefect in ephemeral mode with its own database (two processes writing one
