@@ -200,7 +200,7 @@ def main() -> None:
         f"per-batch turn barrier {paper['batch_barrier']['speedup']:.2f}x"
     )
     pair = ("synchronous", "streaming")
-    segments = {str(t): compare(replace(base, segment_tokens=t), pair)["streaming"]["speedup"] for t in (8192, 32768)}
+    segments = {str(t): compare(replace(base, segment_tokens=t), pair)["streaming"]["speedup"] for t in (4096, 8192)}
     segments[str(base.segment_tokens)] = paper["streaming"]["speedup"]
     spans = {str(v): compare(replace(base, max_version_span=v), pair)["streaming"]["speedup"] for v in (0, 1)}
     spans[str(base.max_version_span)] = paper["streaming"]["speedup"]
