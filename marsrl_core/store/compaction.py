@@ -36,7 +36,9 @@ class StoreCompaction(StoreConnection):
         that nothing unexpired needs once they have been unneeded that long, and the files no commit ever
         referenced (a failed merge's output) once they are that old.
 
-        Safe beside live writers and readers when `retention_s` exceeds the longest query: merging keeps
+        Safe beside live writers and readers when `retention_s` exceeds the longest query: the flush,
+        merge and expiry hold the maintenance lock exclusive (`maintenance_lock.py`: on a SQLite
+        catalog, no query of any process overlaps them, as one that did could miss rows), merging keeps
         every snapshot readable (a snapshot can refer to part of a merged file), and a file replaced by a
         merge stays on disk past the retention, so a query planned against the snapshot before the merge
         still finds it. `retention_s=0` deletes at once: only for a store nothing else is reading.
@@ -57,7 +59,7 @@ class StoreCompaction(StoreConnection):
         before = self.data_file_count()
 
         def run(sql: str) -> list:
-            with self._lock:
+            with self._lock, self._maintenance.exclusive():
                 try:
                     return self._con.execute(sql).fetchall()
                 except duckdb.Error:

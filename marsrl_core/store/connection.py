@@ -30,6 +30,7 @@ import duckdb
 import pyarrow as pa
 
 from marsrl_core.store.guard import refusal
+from marsrl_core.store.maintenance_lock import MaintenanceLock
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.schema import table_ddl, view_ddl
 
@@ -102,6 +103,7 @@ class StoreConnection:
         if kind not in ("sqlite", "postgres") or not target:
             raise StoreError(f"catalog_url={self.catalog_url!r}: expected 'sqlite:<file>' or 'postgres:<dsn>'")
         with self._sqlite_catalog(Path(target), create) if kind == "sqlite" else contextlib.nullcontext():
+            self._maintenance = MaintenanceLock(Path(target) if kind == "sqlite" else None)
             return self._attach(kind)
 
     def _attach(self, kind: str) -> duckdb.DuckDBPyConnection:
@@ -193,6 +195,14 @@ class StoreConnection:
     def close(self) -> None:
         with self._lock:
             self._con.close()
+            self._maintenance.close()
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """This connection for one query or transaction: this thread's, and shared with other
+        connections but not with a compaction's catalog rewrite (`maintenance_lock.py`)."""
+        with self._lock, self._maintenance.shared():
+            yield
 
     # ------------------------------------------------------------------ retrying primitives
     def _retry(self, operation: Callable[[], Any], transient: Sequence[str] = ()) -> Any:
@@ -213,7 +223,7 @@ class StoreConnection:
         """Run `body` in one transaction, all or nothing, retried on transient lock errors."""
 
         def attempt() -> Any:
-            with self._lock:
+            with self._using():
                 self._con.execute("BEGIN TRANSACTION")
                 try:
                     result = body(self._con)
@@ -234,7 +244,7 @@ class StoreConnection:
 
     def _read(self, sql: str, params: Sequence[Any] = (), tables: dict[str, pa.Table] | None = None) -> pa.Table:
         def attempt() -> pa.Table:
-            with self._lock:
+            with self._using():
                 for name, table in (tables or {}).items():
                     self._con.register(name, table)
                 try:
@@ -256,13 +266,13 @@ class StoreConnection:
         store runs only what reads (`guard.refusal`; StoreError for the rest), and reads no file
         outside its data path (StoreError naming the file)."""
         if self.read_only:
-            with self._lock:
+            with self._using():
                 reason = refusal(self._con, sql)
             if reason:
                 raise StoreError(f"the store is open read-only: {reason}")
 
         def attempt() -> pa.Table:
-            with self._lock:
+            with self._using():
                 self._con.execute(f"USE {CATALOG}")
                 try:
                     result = self._con.execute(sql, list(params))

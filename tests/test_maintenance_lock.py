@@ -1,0 +1,52 @@
+"""The lock between compaction and queries (`marsrl_core/store/maintenance_lock.py`), with real `flock`s:
+two holders of one catalog's lock exclude each other as two processes would."""
+
+import threading
+import time
+
+from marsrl_core.store.maintenance_lock import MaintenanceLock
+
+
+def _in_thread(body) -> threading.Thread:
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_compaction_waits_for_queries_and_queries_wait_for_it(tmp_path):
+    catalog = tmp_path / "catalog.sqlite"
+    query, other_query, compaction = MaintenanceLock(catalog), MaintenanceLock(catalog), MaintenanceLock(catalog)
+    events = []
+    with query.shared():
+        with other_query.shared():  # queries share it
+            events.append("two queries")
+
+        def compact():
+            with compaction.exclusive():
+                events.append("compaction")
+                time.sleep(0.3)
+                events.append("compaction ends")
+
+        compacting = _in_thread(compact)
+        time.sleep(0.3)
+        assert events == ["two queries"]  # the compaction waits for the query in flight
+
+        def late_query():
+            with other_query.shared():
+                events.append("late query")
+
+        late = _in_thread(late_query)
+        time.sleep(0.3)
+        assert events == ["two queries"]  # a query arriving while a compaction waits queues behind it
+    compacting.join(5)
+    late.join(5)
+    assert events == ["two queries", "compaction", "compaction ends", "late query"]
+
+
+def test_shared_is_reentrant_and_postgres_catalogs_are_not_locked(tmp_path):
+    lock = MaintenanceLock(tmp_path / "catalog.sqlite")
+    with lock.shared(), lock.shared():
+        pass
+    unlocked = MaintenanceLock(None)
+    with unlocked.shared(), unlocked.exclusive():  # nothing to take: no file
+        pass
