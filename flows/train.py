@@ -136,9 +136,19 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
     return result
 
 
+def learner_prefect_env() -> dict[str, str]:
+    """The learner process reports to this process's Prefect API. Where none is configured (Prefect's
+    temporary server in this process, as when `train_flow` is called from Python), the learner
+    process starts a temporary server of its own: its flow run is on that server, not beside the
+    rollouts'."""
+    url = get_current_settings().api.url
+    return {"PREFECT_API_URL": str(url)} if url else {}
+
+
 def _train_beside_learner_process(config: MarsRLConfig, run_id: str, pending: list[int]) -> int:
     """The rollouts here, the learner as `marsrl learn` on `learner.nproc` ranks (its output goes to this
-    process's), reporting to the same Prefect API; they meet through the store and the checkpoints.
+    process's), reporting to the same Prefect API (`learner_prefect_env`); they meet through the store
+    and the checkpoints.
     Returns the learner's last committed step. A learner whose ranks start later than an in-process one
     leaves the first rollouts' groups older when it begins (past `learner.max_trained_age`, they are handled
     as `learner.stale_groups` says)."""
@@ -146,7 +156,7 @@ def _train_beside_learner_process(config: MarsRLConfig, run_id: str, pending: li
     path = Path(config.output_dir) / "runs" / f"{run_id}-learner.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config_to_yaml(config))
-    env = os.environ | {"PREFECT_API_URL": str(get_current_settings().api.url)}
+    env = os.environ | learner_prefect_env()
     if gpus := learner_gpus(config.learner.nproc, config.model.device):
         env["CUDA_VISIBLE_DEVICES"] = gpus  # the ranks on the last GPUs, the engine here on the first
     command = [sys.executable, "-m", "flows.cli", "learn", "--config", str(path), "--run-id", run_id]

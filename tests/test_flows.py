@@ -661,3 +661,17 @@ def test_a_run_resumed_from_another_folder_continues_in_the_store_it_was_pointed
         .as_py()
     )
     assert batch_0.column("n")[0].as_py() > 0 and first == decoded  # batch 0 was not decoded again
+
+
+def test_a_learner_process_gets_the_prefect_api_only_where_one_is_configured():
+    """`train_flow` called from Python runs on Prefect's temporary server, which has no URL to pass on:
+    the learner process (`learner.nproc > 1`) must then start its own, not be told the API is at
+    "None"."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.train import learner_prefect_env
+
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
+        assert learner_prefect_env() == {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert learner_prefect_env() == {}
