@@ -4,6 +4,8 @@ two holders of one catalog's lock exclude each other as two processes would."""
 import threading
 import time
 
+import pytest
+
 from marsrl_core.store.maintenance_lock import MaintenanceLock
 
 
@@ -43,10 +45,30 @@ def test_a_compaction_waits_for_queries_and_queries_wait_for_it(tmp_path):
     assert events == ["two queries", "compaction", "compaction ends", "late query"]
 
 
-def test_shared_is_reentrant_and_postgres_catalogs_are_not_locked(tmp_path):
+def test_an_inner_shared_hold_does_not_release_the_outer_one(tmp_path):
+    catalog = tmp_path / "catalog.sqlite"
+    lock, compaction = MaintenanceLock(catalog), MaintenanceLock(catalog)
+    events = []
+
+    def compact():
+        with compaction.exclusive():
+            events.append("compaction")
+
+    with lock.shared():
+        with lock.shared():
+            pass
+        compacting = _in_thread(compact)
+        time.sleep(0.3)
+        assert events == []  # the outer hold still keeps the compaction out
+    compacting.join(5)
+    assert events == ["compaction"]
+
+
+def test_exclusive_inside_shared_is_refused_where_there_is_a_file_to_lock(tmp_path):
     lock = MaintenanceLock(tmp_path / "catalog.sqlite")
-    with lock.shared(), lock.shared():
-        pass
-    unlocked = MaintenanceLock(None)
-    with unlocked.shared(), unlocked.exclusive():  # nothing to take: no file
+    with lock.shared(), pytest.raises(RuntimeError, match="inside shared"):
+        with lock.exclusive():
+            pass
+    unlocked = MaintenanceLock(None)  # a Postgres catalog: no file, nothing to wait for
+    with unlocked.shared(), unlocked.exclusive():
         pass

@@ -57,25 +57,21 @@ class MaintenanceLock:
     def shared(self) -> Iterator[None]:
         """Hold the lock shared (a query or a write transaction)."""
         with self._thread_lock:
-            if self._files is None or self._depth > 0:
-                self._depth += 1
+            take = self._files is not None and self._depth == 0  # an inner holder must not release it
+            if take:
+                gate, turnstile = self._files
+                fcntl.flock(turnstile, fcntl.LOCK_SH)  # waits while a compaction waits or runs
                 try:
-                    yield
+                    fcntl.flock(gate, fcntl.LOCK_SH)
                 finally:
-                    self._depth -= 1
-                return
-            gate, turnstile = self._files
-            fcntl.flock(turnstile, fcntl.LOCK_SH)  # waits while a compaction waits or runs
-            try:
-                fcntl.flock(gate, fcntl.LOCK_SH)
-            finally:
-                fcntl.flock(turnstile, fcntl.LOCK_UN)
+                    fcntl.flock(turnstile, fcntl.LOCK_UN)
             self._depth += 1
             try:
                 yield
             finally:
                 self._depth -= 1
-                fcntl.flock(gate, fcntl.LOCK_UN)
+                if take:
+                    fcntl.flock(gate, fcntl.LOCK_UN)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
