@@ -4,8 +4,8 @@ Why: with DuckLake 1.5.5 on a SQLite catalog, a query that runs while another pr
 `ducklake_merge_adjacent_files` can see the merged table without rows: measured with a writer, a
 reader and a compacting process (`tests/test_store_processes.py`), a `SELECT sample_id FROM samples`
 came back empty, and a reader's `commit_step` refused the 12 samples its previous query had just
-returned, in about one 20-second run of five; the same query a moment later saw every row. Without
-compaction, 600 such reader loops saw no such read. A read that misses rows is worse than a slow one
+returned, in about one 20-second run of five; the same query a moment later saw every row. The
+same reader loops without a compacting process saw no such read. A read that misses rows is worse than a slow one
 here: the rollout's resume and the store's append-by-key decide what to write from what they read.
 
 So every query and transaction holds this lock shared, and compaction's catalog rewrites (flush,
