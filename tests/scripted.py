@@ -16,8 +16,11 @@ from marsrl_core.engines.base import SegmentRequest, SegmentResult
 
 
 class ScriptedEngine:
-    def __init__(self, script: Callable[[str], str], delay_s: float = 0.0):
-        """`delay_s`: how long each segment batch takes (a real engine's decode is not instant)."""
+    def __init__(
+        self, script: Callable[[str], str], delay_s: float = 0.0, before_decode: Callable[[], None] | None = None
+    ):
+        """`delay_s`: how long each segment batch takes (a real engine's decode is not instant).
+        `before_decode`: called before each segment batch (a test holds the decode back with it)."""
         self.tokenizer = build_tiny_tokenizer()
         self.script = script
         self.policy_version = 0
@@ -25,8 +28,11 @@ class ScriptedEngine:
         self._outputs: dict[tuple, list[int]] = {}
         self.max_positions = None
         self.delay_s = delay_s
+        self.before_decode = before_decode
 
     def decode_segment(self, requests: Sequence[SegmentRequest]) -> list[SegmentResult]:
+        if self.before_decode is not None:
+            self.before_decode()
         time.sleep(self.delay_s)
         results = []
         for r in requests:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -31,9 +33,9 @@ def _length_script(long_word: str = "long"):
     return script
 
 
-def _scripted_run(tmp_path, rows: list[str], **extra):
+def _scripted_run(tmp_path, rows: list[str], before_decode=None, **extra):
     """A config whose training problems are `rows` (their questions) and a scripted engine for it whose
-    segment batches take 0.2 s each (longer than a batch's Prefect set-up)."""
+    segment batches take 0.2 s each (longer than a batch's Prefect set-up), after `before_decode()`."""
     import json
 
     from marsrl_core.runtime.context import runtime
@@ -51,7 +53,7 @@ def _scripted_run(tmp_path, rows: list[str], **extra):
         **extra,
     }
     cfg = small_config(tmp_path, **settings)
-    runtime().use_engine(cfg, ScriptedEngine(_length_script(), delay_s=0.2))
+    runtime().use_engine(cfg, ScriptedEngine(_length_script(), delay_s=0.2, before_decode=before_decode))
     return cfg
 
 
@@ -164,15 +166,31 @@ def test_the_next_batch_streams_in_as_an_earlier_problem_ends(tmp_path, in_fligh
     """Each batch has a short problem and a long one. The decode loop holds `batches_in_flight` x 2
     problems: batch 1's problems start while batch 0's long problem still decodes (the batch prepared
     ahead waits in the loop, not behind a barrier), never more problems at once than that, and every
-    batch ends marked done with nothing stored twice."""
+    batch ends marked done with nothing stored twice.
+
+    Decoding waits (up to 30 s, once) for batch 1 to join the loop: on a loaded machine its Prefect
+    set-up can take longer than batch 0's whole decode, and the test is about what the loop does with
+    a batch that has joined."""
     from flows.rollout import rollouts_flow
-    from marsrl_core.runtime import events
+    from marsrl_core.config import absolute_paths
+    from marsrl_core.runtime import events, work
     from marsrl_core.runtime.context import runtime
     from tests.configs import assert_exactly_once
+
+    batch_1_joined = threading.Event()
+
+    def until_batch_1_joined() -> None:
+        deadline = time.monotonic() + 30
+        while not batch_1_joined.is_set() and time.monotonic() < deadline:
+            if work.rollout_loop(absolute_paths(cfg), "stream").joined(1):
+                batch_1_joined.set()
+            time.sleep(0.01)
+        batch_1_joined.set()
 
     cfg = _scripted_run(
         tmp_path,
         ["1+1 short", "1+1 long"],
+        before_decode=until_batch_1_joined,
         **{"rollout.batches_in_flight": in_flight, "rollout.max_turns": 1, "learner.max_trained_age": "null"},
     )
     assert rollouts_flow(cfg, "stream", [0, 1, 2], finish=True)["batches"] == 3
