@@ -22,6 +22,7 @@ from flows.params import run_config
 from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
+from marsrl_core.timings import timed
 from tasks.evaluation import compact
 from tasks.learner import train_step
 from tasks.logs import say
@@ -69,19 +70,22 @@ def learner_flow(
         finished = store.has_event(run_id, events.ROLLOUTS_FINISHED)
         groups = work.ready_groups(config, run_id, flush=finished)
         if groups:
-            report = train_step.with_options(task_run_name=f"train-step-{step + 1}", **retries)(
-                config, run_id, groups, flush=finished
-            )
+            with timed("learner.task"):
+                report = train_step.with_options(task_run_name=f"train-step-{step + 1}", **retries)(
+                    config, run_id, groups, flush=finished
+                )
             step = rt.learner(config, run_id).step
             if report is not None:
                 say(step_line(report))
             idle_since, wait_s = time.monotonic(), poll_s
             if config.store.compact_every_steps and step % config.store.compact_every_steps == 0:
-                compact(config)  # keeps the next polls' file lists short; readers keep their files (retention)
+                with timed("learner.compact"):
+                    compact(config)  # keeps the next polls' file lists short; readers keep their files (retention)
         elif finished or time.monotonic() - idle_since > idle_timeout_s:
             break
         else:  # idle: back off, so a learner waiting for rollouts queries the store less often
-            time.sleep(wait_s)
+            with timed("learner.idle"):
+                time.sleep(wait_s)
             wait_s = min(wait_s * 1.5, max(poll_s, MAX_IDLE_POLL_S))
     if rt.interrupted(run_id):  # no checkpoint upload either: a SIGKILL may follow the SIGTERM soon
         say(f"learner stopped at step {step} of {budget}: its process is stopping")

@@ -88,7 +88,8 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
     if evaluate_before:
         result["before"] = store.evaluation(run_id, "before") or evaluate_flow(config, run_id, "before")
     start = time.perf_counter()
-    pending = [b for b in range(config.data.num_batches) if not store.has_event(run_id, events.batch_done(b))]
+    done = store.events(run_id, events.BATCH_DONE)
+    pending = [b for b in range(config.data.num_batches) if events.batch_done(b) not in done]
     if config.rollout.synchronous:  # the baseline: whole batches decoded, then trained on, in turn
         for batch in pending:
             with parent_heartbeat_only():

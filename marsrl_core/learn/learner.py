@@ -75,6 +75,7 @@ from marsrl_core.learn.checkpoint import (
 from marsrl_core.learn.models import load_model, shard_and_fill
 from marsrl_core.learn.scoring import TokenScorer
 from marsrl_core.store import SegmentStore, TrainableGroup
+from marsrl_core.timings import timed
 
 
 class LearnerError(RuntimeError):
@@ -195,7 +196,8 @@ class Learner:
         start = time.perf_counter()
         groups, dropped = self._select(groups)
         ids = [sid for g in groups for sid in g.sample_ids]
-        samples = self.store.load_samples(self.run_id, ids) if self.ranks is None or self.ranks.main else None
+        with timed("learner.load_samples"):
+            samples = self.store.load_samples(self.run_id, ids) if self.ranks is None or self.ranks.main else None
         if self.ranks is not None:
             samples = distributed.broadcast(samples)
         per_agent, stats = train_items(groups, samples, self.cfg.learner)
@@ -226,7 +228,17 @@ class Learner:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
         reset_peak_memory(self.device)
-        metrics = self._accumulate_gradients(per_agent)
+        with timed("learner.forward_backward"):
+            metrics = self._accumulate_gradients(per_agent)
+        with timed("learner.optimizer"):
+            nonfinite = self._clip_and_step(per_agent, metrics)
+        for opt in self.optimizers.values():  # the gradients are spent: their memory is free for the checkpoint
+            opt.zero_grad(set_to_none=True)
+        return metrics, nonfinite
+
+    def _clip_and_step(self, per_agent: dict[str, list[TrainItem]], metrics: dict[str, dict[str, float]]) -> bool:
+        """Clip each trained policy's gradients and step its optimizer, unless a loss or a gradient norm
+        is non-finite (returned)."""
         nonfinite = not all(math.isfinite(m["loss"]) for m in metrics.values())
         trained = sorted({self.policy_name(a) for a in per_agent})
         if not nonfinite:
@@ -241,9 +253,7 @@ class Learner:
                 self.optimizers[name].step()
                 self.schedulers[name].step()
                 self._check_finite(name)
-        for opt in self.optimizers.values():  # the gradients are spent: their memory is free for the checkpoint
-            opt.zero_grad(set_to_none=True)
-        return metrics, nonfinite
+        return nonfinite
 
     def _record(self, metrics: dict, stats: dict, dropped: dict, nonfinite: bool, elapsed: float) -> None:
         """The step's bookkeeping metrics, per agent, added to `metrics`."""
@@ -339,27 +349,30 @@ class Learner:
                 # longer; a rank 0 that fails takes the ranks down through the launcher
                 distributed.barrier(self.ranks.control)
                 return version_folder(self.checkpoint_root, self.step)
-        folder = save_checkpoint(
-            self.checkpoint_root,
-            self.step,
-            self.models,
-            self.tokenizer,
-            self.optimizers,
-            self.schedulers,
-            self.step,
-            save_dtype=save_dtype,
-            full_states=full_states,
-            rank_shards=shards,
-        )
+        with timed("learner.checkpoint_write"):
+            folder = save_checkpoint(
+                self.checkpoint_root,
+                self.step,
+                self.models,
+                self.tokenizer,
+                self.optimizers,
+                self.schedulers,
+                self.step,
+                save_dtype=save_dtype,
+                full_states=full_states,
+                rank_shards=shards,
+            )
         mlflow_run = self.tracker.run_id if self.tracker is not None else None
         crash_point("checkpoint.commit")
-        self.store.commit_step(self.run_id, self.step, consumed, str(folder), mlflow_run, metrics, dropped)
+        with timed("learner.store_commit"):
+            self.store.commit_step(self.run_id, self.step, consumed, str(folder), mlflow_run, metrics, dropped)
         if self.tracker is not None:
-            self.tracker.log_step(self.step, metrics)
-            every = self.cfg.tracking.log_checkpoint_steps
-            if every and self.step % every == 0:
-                self.tracker.log_checkpoint(folder, self.step)
-                self.logged_version = self.step
+            with timed("learner.tracking"):
+                self.tracker.log_step(self.step, metrics)
+                every = self.cfg.tracking.log_checkpoint_steps
+                if every and self.step % every == 0:
+                    self.tracker.log_checkpoint(folder, self.step)
+                    self.logged_version = self.step
         if self.cfg.learner.save_total_limit:  # only after the commit: the newest committed version stays
             prune_checkpoints(self.checkpoint_root, self.cfg.learner.save_total_limit)
         if self.ranks is not None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from marsrl_core.agents.problems import Problem
 from marsrl_core.rollout.samples import BatchProgress, RolloutInterrupted
+from marsrl_core.timings import timed
 
 log = logging.getLogger(__name__)
 MAX_IDLE_S = 0.5  # the longest wait between two stages of a loop with nothing to decode
@@ -174,7 +175,8 @@ class RolloutLoop:
                     if not self._batches:  # no batch left: the thread ends, the next add_batch starts one
                         self._thread = None
                         return
-                    self._changed.wait(min(self.idle_s * 1.5**idle_stages, MAX_IDLE_S))
+                    with timed("rollout.idle"):
+                        self._changed.wait(min(self.idle_s * 1.5**idle_stages, MAX_IDLE_S))
 
     def _take_inbox(self) -> None:
         """Apply the batch changes asked for since the last stage (under `_lock`)."""

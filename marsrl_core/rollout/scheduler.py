@@ -64,6 +64,7 @@ from marsrl_core.rollout.samples import (
 from marsrl_core.rollout.turns import batches_on_their_turn, has_next_turn, next_turn_inputs
 from marsrl_core.rollout.weights import WeightChannel
 from marsrl_core.store import Rejection, RewardRow, SegmentRow, Store
+from marsrl_core.timings import timed
 
 
 class RolloutScheduler:
@@ -261,11 +262,14 @@ class RolloutScheduler:
         self.stats["stages"] += 1
         rejected: list[Rejection] = []
         created: list[Sample] = []
-        self.weights.poll(self.version)
-        if self.gate is not None:
-            self.gate.read_version()
-        if self._apply_pending():
-            created = self._admit(rejected)
+        with timed("rollout.weights"):
+            self.weights.poll(self.version)
+            if self.gate is not None:
+                self.gate.read_version()
+            applied = self._apply_pending()
+        if applied:
+            with timed("rollout.admit"):
+                created = self._admit(rejected)
             report.admitted = len({s.problem.problem_id for s in created})
         active = self.in_flight()
         segments: list[SegmentRow] = []
@@ -282,7 +286,9 @@ class RolloutScheduler:
                 for s, p in zip(active, sampling)
             ]
             report.decoded = len(active)
-            for sample, result in zip(active, self._decode(active, requests)):
+            with timed("rollout.decode"):
+                results = self._decode(active, requests)
+            for sample, result in zip(active, results):
                 sample.token_ids.extend(result.token_ids)
                 sample.versions.extend([result.policy_version] * len(result.token_ids))
                 if result.finished:
@@ -302,17 +308,20 @@ class RolloutScheduler:
                 sample.segments += 1
                 report.tokens += len(result.token_ids)
                 if sample.finish:
-                    self.judge_finished(sample)
+                    with timed("rollout.rewards"):
+                        self.judge_finished(sample)
                     report.finished += 1
                     if self.rc.reward_mode == "decoupled":
                         rewards.append(reward_row(sample, sample.judgement.reward))
         held = batches_on_their_turn(self.states.values()) if self.turn_barrier else set()
         for state in self.states.values():
             if not state.done and state.batch not in held:
-                created += self._advance(state, rejected, rewards)
+                with timed("rollout.advance"):
+                    created += self._advance(state, rejected, rewards)
         report.new_samples = len(created)
         crash_point("rollout.append")
-        stored = self.store.append(self.run_id, [sample_row(s, self.rc) for s in created], segments, rewards)
+        with timed("rollout.store_write"):
+            stored = self.store.append(self.run_id, [sample_row(s, self.rc) for s in created], segments, rewards)
         if stored.written:
             self.stored_groups.update(agent for agent, _ in {(s.agent, s.group_id) for s in created})
         else:

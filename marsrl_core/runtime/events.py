@@ -11,7 +11,8 @@ from __future__ import annotations
 ROLLOUTS_FINISHED = "rollouts_finished"
 STOP_REQUESTED = "stop_requested"
 STORE_LOCK_RETRIES = "store_lock_retries"
+BATCH_DONE = "batch_done:"
 
 
 def batch_done(batch_index: int) -> str:
-    return f"batch_done:{batch_index}"
+    return f"{BATCH_DONE}{batch_index}"

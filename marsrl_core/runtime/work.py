@@ -33,6 +33,7 @@ from marsrl_core.runtime import events
 from marsrl_core.runtime.batches import batch_problems, training_rejections, training_set
 from marsrl_core.runtime.context import runtime
 from marsrl_core.store import Store, TrainableGroup
+from marsrl_core.timings import timed
 
 
 def check_inputs(cfg: MarsRLConfig) -> None:
@@ -165,7 +166,8 @@ def end_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> bool:
 def ready_groups(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> list[TrainableGroup]:
     """The groups the run's learner would train on now; empty while not enough are ready (see
     `marsrl_core.learn.groups.ready_groups`). One store query."""
-    return _ready_groups(runtime().learner(cfg, run_id), flush=flush)
+    with timed("learner.poll"):
+        return _ready_groups(runtime().learner(cfg, run_id), flush=flush)
 
 
 def train_step(
@@ -179,16 +181,18 @@ def train_step(
     if not groups:
         return None
     try:
-        report = learner.train_step(groups)
+        with timed("learner.step"):
+            report = learner.train_step(groups)
     except BaseException:
         # The update may have been applied in memory but not committed: drop this learner so a retry
         # rebuilds it from the last committed version (and its uncommitted folder is cleaned up).
         rt.drop_learner(run_id)
         raise
     if _sync_from_memory(cfg, learner) and rt.has_engine(cfg):  # this process's engines take it from memory
-        per_agent = cfg.learner.policies == "per_agent"
-        weights = {a: learner.state_dict(a) for a in AGENTS} if per_agent else learner.state_dict("solver")
-        rt.weight_channel(cfg, run_id).publish(report.step, weights)
+        with timed("learner.weight_handover"):
+            per_agent = cfg.learner.policies == "per_agent"
+            weights = {a: learner.state_dict(a) for a in AGENTS} if per_agent else learner.state_dict("solver")
+            rt.weight_channel(cfg, run_id).publish(report.step, weights)
     return {"step": report.step, "checkpoint": str(report.checkpoint), "metrics": report.metrics}
 
 

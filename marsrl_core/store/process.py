@@ -43,6 +43,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
@@ -53,6 +54,7 @@ from marsrl_core.store.protocol import store_calls
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.segment_store import SegmentStore
 from marsrl_core.store.writes import KEYED_WRITES
+from marsrl_core.timings import TIMINGS, timed
 
 _OPEN, _CLOSE = "__open__", "__close__"
 log = logging.getLogger(__name__)
@@ -214,7 +216,9 @@ class StoreProcess:
             self._last_status = child.wait()
 
     def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        with self._lock:
+        asked = time.perf_counter()
+        with self._lock, timed(f"store.{method}"):
+            TIMINGS.add("store.lock_wait", time.perf_counter() - asked)
             if self._closed:
                 raise StoreError(f"catalog {self.catalog_url!r}: {method}() on a closed store")
             if self._child is not None and self._child.poll() is not None:  # died between calls

@@ -54,6 +54,14 @@ class StoreQueries(StoreConnection):
             > 0
         )
 
+    def events(self, run_id: str, prefix: str = "") -> set[str]:
+        """The run's recorded events that start with `prefix` (one query for what `has_event` asks one by one)."""
+        rows = self._read(
+            f"SELECT DISTINCT event FROM {CATALOG}.run_events WHERE run_id = ? AND starts_with(event, ?)",
+            [run_id, prefix],
+        )
+        return set(rows.column("event").to_pylist())
+
     def trainable_groups(self, run_id: str, agent: str, limit: int | None = None) -> list[TrainableGroup]:
         """Complete (every member rewarded), unconsumed groups of `agent`, oldest completion first."""
         return self.trainable_groups_by_agent(run_id, [agent], limit)[agent]

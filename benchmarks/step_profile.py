@@ -1,0 +1,222 @@
+"""Where a learner step's time goes: the train flow's phases (`marsrl_core/timings.py`) per step and in total.
+
+One run of the train flow (the one `make train` runs, evaluation off) with `rollout.max_turns=1` (the
+Solver alone), from its first rollout to its last step. The decode loop and the learner are two lanes
+that run at once; each lane's phases are listed with their share of the run's wall-clock:
+- decode loop: weights (poll and load a newer version), decode (re-prefill included), store writes,
+  idle, and the rest of its stages (scheduling, rewards);
+- learner: poll, load samples, forward/backward, optimizer, checkpoint write, store commit, MLflow,
+  weight hand-over, Prefect's bookkeeping (the train-step task less the step and the hand-over), idle.
+
+`--model qwen3-0.6b`: the same on a random-init model of Qwen3-0.6B's shape (28 layers, hidden 1024,
+Qwen3's real tokenizer and vocabulary) with short outputs and `--steps` steps (3), so what a checkpoint
+costs at a real model's size shows.
+
+`--compare`: this code's defaults against `--baseline` settings (the pre-`save_every` behaviour: a
+durable checkpoint every step), run after run, alternating, `--repeats` times (3); the medians of the
+runs' wall-clock to step `--steps` give `solver_only_speedup`.
+
+Run: `python benchmarks/step_profile.py` (tiny, 50 steps, ~1 min), `--model qwen3-0.6b`, `--compare`;
+`--set KEY=VALUE` overrides the runs. Writes `benchmarks/results/step_profile.json` (the key of the
+model: `tiny` or `qwen3_0_6b`, each with `wall_s`, `steps`, `per_step_s` and `phases`, every phase's
+`seconds`, `per_step_s`, `count` and `share`; with `--compare`, `solver_only_speedup` and the runs);
+the other model's figures already in the file are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+from benchmarks.common import RESULTS, print_rows, write_results  # noqa: E402
+from marsrl_core import timings  # noqa: E402
+from marsrl_core.config import load_config  # noqa: E402
+from marsrl_core.demo.sft import find_warm_start  # noqa: E402
+
+BASELINE = ("learner.save_every=1",)
+QWEN3_SETTINGS = (
+    "rollout.segment_tokens=16",
+    "rollout.solver_max_tokens=32",
+    "rollout.problems_per_batch=2",
+    "rollout.num_generations=8",
+    "learner.groups_per_step=2",
+    "model.dtype=bfloat16",
+)
+
+# name in the table (its lane first): (the phases it sums, the phases it subtracts)
+ROWS = {
+    "rollout: weights": (["rollout.weights"], []),
+    "rollout: decode": (["rollout.decode"], []),
+    "rollout: store write": (["rollout.store_write"], []),
+    "rollout: admit": (["rollout.admit"], []),
+    "rollout: rewards": (["rollout.rewards"], []),
+    "rollout: next agents": (["rollout.advance"], []),
+    "rollout: idle": (["rollout.idle"], []),
+    "learner: poll": (["learner.poll"], []),
+    "learner: load samples": (["learner.load_samples"], []),
+    "learner: forward/backward": (["learner.forward_backward"], []),
+    "learner: optimizer": (["learner.optimizer"], []),
+    "learner: checkpoint write": (["learner.checkpoint_write"], []),
+    "learner: store commit": (["learner.store_commit"], []),
+    "learner: MLflow": (["learner.tracking"], []),
+    "learner: weight hand-over": (["learner.weight_handover"], []),
+    "learner: step, the rest": (
+        ["learner.step"],
+        [
+            "learner.load_samples",
+            "learner.forward_backward",
+            "learner.optimizer",
+            "learner.checkpoint_write",
+            "learner.store_commit",
+            "learner.tracking",
+        ],
+    ),
+    "learner: Prefect task bookkeeping": (["learner.task"], ["learner.step", "learner.weight_handover"]),
+    "learner: compaction": (["learner.compact"], []),
+    "learner: idle": (["learner.idle"], []),
+}
+
+
+def qwen3_model(folder: Path) -> Path:
+    """A random-init Qwen3-0.6B-shaped model (bf16 on disk) with Qwen3's tokenizer in `folder`."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from tests.qwen3 import qwen3_config, qwen3_tokenizer_files
+
+    config = qwen3_config(
+        1024,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
+    torch.manual_seed(0)
+    qwen3_tokenizer_files(folder)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
+def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[str, ...]) -> dict:
+    """One train-flow run to `steps` steps; its wall-clock and the phases' seconds over it."""
+    from flows.train import train_flow
+
+    settings = [
+        f"store.catalog_url=sqlite:{root}/{tag}.sqlite",
+        f"store.data_path={root}/{tag}-data",
+        f"output_dir={root}/{tag}-out",
+        f"tracking.mlflow_tracking_uri=sqlite:///{root}/{tag}-mlflow.db",
+        "rollout.max_turns=1",
+        f"learner.max_steps={steps}",
+        "data.num_batches=1000",  # the step budget ends the run
+    ]
+    if model == "tiny":
+        settings.append(f"model.path={find_warm_start(load_config('tiny'))}")
+    else:
+        folder = root / "qwen3-0.6b"
+        if not folder.exists():
+            qwen3_model(folder)
+        settings += [f"model.path={folder}", "sft.enabled=false", *QWEN3_SETTINGS]
+    cfg = load_config("tiny", None, [*settings, *overrides])
+    before = timings.TIMINGS.snapshot()
+    result = train_flow(cfg, tag, evaluate_before=False, evaluate_after=False)
+    spent = timings.since(before)
+    wall, done = result["train_wall_clock_s"], result["learner_steps"]
+    phases = {}
+    for name, (plus, minus) in ROWS.items():
+        seconds = sum(spent.get(p, (0.0, 0))[0] for p in plus) - sum(spent.get(p, (0.0, 0))[0] for p in minus)
+        count = sum(spent.get(p, (0.0, 0))[1] for p in plus)
+        phases[name] = {
+            "seconds": seconds,
+            "per_step_s": seconds / max(1, done),
+            "count": count,
+            "share": seconds / wall,
+        }
+    # What no phase names in the decode loop's lane: its own work between them (scheduling, rewards).
+    rest = wall - sum(v["seconds"] for k, v in phases.items() if k.startswith("rollout"))
+    phases["rollout: the rest"] = {"seconds": rest, "per_step_s": rest / max(1, done), "count": 0, "share": rest / wall}
+    store_calls = {
+        name.removeprefix("store."): {"seconds": seconds, "count": count, "ms_each": 1000 * seconds / max(1, count)}
+        for name, (seconds, count) in spent.items()
+        if name.startswith("store.")
+    }
+    return {
+        "wall_s": wall,
+        "steps": done,
+        "per_step_s": wall / max(1, done),
+        "phases": phases,
+        "store_calls": dict(sorted(store_calls.items(), key=lambda kv: -kv[1]["seconds"])),
+    }
+
+
+def print_profile(title: str, figures: dict) -> None:
+    rows = [
+        [name, p["seconds"], p["per_step_s"] * 1000, f"{100 * p['share']:.0f}%"]
+        for name, p in figures["phases"].items()
+    ]
+    print_rows(
+        f"{title}: {figures['steps']} steps in {figures['wall_s']:.1f} s "
+        f"({figures['per_step_s'] * 1000:.0f} ms a step)",
+        ["phase", "seconds", "ms per step", "of wall-clock"],
+        rows,
+    )
+    calls = [[name, c["count"], c["ms_each"], c["seconds"]] for name, c in figures["store_calls"].items()]
+    print_rows(f"{title}: store calls", ["method", "calls", "ms each", "seconds"], calls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", choices=["tiny", "qwen3-0.6b"])
+    parser.add_argument("--steps", type=int, default=None, help="Learner steps (tiny: 50, qwen3-0.6b: 3).")
+    parser.add_argument("--compare", action="store_true", help="This code's defaults against --baseline.")
+    parser.add_argument("--baseline", action="append", default=None, help="A KEY=VALUE of the baseline runs.")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
+    args = parser.parse_args()
+    steps = args.steps or (50 if args.model == "tiny" else 3)
+    key = args.model.replace("-", "_").replace(".", "_")
+    path = RESULTS / "step_profile.json"
+    figures = json.loads(path.read_text()) if path.exists() else {}
+    baseline = tuple(args.baseline or BASELINE)
+
+    with tempfile.TemporaryDirectory(prefix="marsrl-step-profile-") as tmp:
+        root = Path(tmp)
+        if not args.compare:
+            figures[key] = profile_run(root, "profile", args.model, steps, tuple(args.overrides))
+            figures[key]["settings"] = args.overrides
+            print_profile(args.model, figures[key])
+        else:
+            runs: dict[str, list[dict]] = {"baseline": [], "defaults": []}
+            for repeat in range(args.repeats):
+                for variant, extra in (("baseline", baseline), ("defaults", ())):
+                    run = profile_run(root, f"{variant}{repeat}", args.model, steps, (*args.overrides, *extra))
+                    runs[variant].append(run)
+                    print_profile(f"{variant} {repeat}", run)
+            base = statistics.median(r["wall_s"] for r in runs["baseline"])
+            new = statistics.median(r["wall_s"] for r in runs["defaults"])
+            figures[f"{key}_compare"] = {
+                "solver_only_speedup": base / new,
+                "baseline_settings": list(baseline),
+                "baseline_wall_s": [r["wall_s"] for r in runs["baseline"]],
+                "defaults_wall_s": [r["wall_s"] for r in runs["defaults"]],
+                "baseline_phases": runs["baseline"][-1]["phases"],
+                "defaults_phases": runs["defaults"][-1]["phases"],
+            }
+            if key == "tiny":
+                figures["solver_only_speedup"] = base / new
+            print(f"solver_only_speedup ({args.model}, {steps} steps, medians of {args.repeats}): {base / new:.2f}x")
+    print(f"wrote {write_results('step_profile', figures)}")
+
+
+if __name__ == "__main__":
+    main()
