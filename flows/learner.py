@@ -9,6 +9,8 @@ rebuilt learner) still counts once. Every `store.compact_every_steps` versions i
 (a task), so a days-long run's polls do not slow down with the thousands of small files its commits
 write. It also stops before its next step when its process is stopping (the train flow's rollouts
 were stopped by a signal or failed), so a stopped `marsrl train` does not wait for the idle timeout.
+When it ends (not stopped) with `final`, its newest version is made durable (`Learner.make_durable`)
+if `learner.save_every` left it weights-only; a stopped one leaves that to the resume's rollback.
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ def learner_flow(
     poll_s: float = 0.2,
     idle_timeout_s: float = 3600.0,
     overrides: dict[str, Any] | None = None,
+    final: bool = True,
 ) -> int:
     config = run_config(config, overrides)  # a few dotted fields changed, e.g. {"learner.max_steps": 3}
     config = absolute_paths(config)  # its checkpoint URIs are recorded: absolute, found from any folder
     rt, budget = runtime(), max_steps or config.learner.max_steps
-    store = rt.store(config)
+    store = rt.store(config, lane="learner")
     step = rt.learner(config, run_id).step
     # One process retries a failed step with a learner rebuilt from the last commit; with several ranks the
     # others are inside the failed step's collectives, so the learner fails and is resumed as a whole.
@@ -95,5 +98,7 @@ def learner_flow(
             f"learner stopped at step {step} of {budget}: the rollouts finished and no complete group "
             "is left to train on"
         )
+    if final:  # the run's result: resumable and logged (`learner.save_every`)
+        rt.learner(config, run_id).make_durable()
     rt.learner(config, run_id).log_newest_checkpoint()
     return step

@@ -94,7 +94,7 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
         for batch in pending:
             with parent_heartbeat_only():
                 rollout_flow(config, run_id, batch)
-                steps = learner_flow(config, run_id, idle_timeout_s=0.0)
+                steps = learner_flow(config, run_id, idle_timeout_s=0.0, final=False)
             if steps >= config.learner.max_steps:  # as the pipelined path: no batch the learner will not use
                 break
         store.mark(run_id, events.ROLLOUTS_FINISHED)

@@ -3,10 +3,12 @@
 A seeded schedule of 12 kills lands across rollout, training and checkpoint writing: at crash points
 (`marsrl_core.faults`: after a rollout stage decoded but before its store append, after an optimizer
 update, half-way through a checkpoint, between a checkpoint's rename and its store commit, each at a
-random arrival) and at random times. Every kill must land (the process dies of SIGKILL). After every
-kill the store is read from this process; at the end the run must hold
-every segment seen after any kill, no sample consumed by two committed steps, a loadable checkpoint
-for every committed version, and exactly the step budget.
+random arrival) and at random times. A durable checkpoint is written every third step (`save_every`),
+so most kills land between two durable versions and the resume voids the steps after the last one.
+Every kill must land (the process dies of SIGKILL). After every kill the store is read from this
+process; at the end the run must hold every segment seen after any kill, no sample consumed by two
+committed steps, loadable weights for every committed version, a loadable checkpoint for every
+durable one, and exactly the step budget.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from marsrl_core.learn.checkpoint import load_checkpoint
+from marsrl_core.learn.checkpoint import is_durable, load_checkpoint
 from marsrl_core.store import SegmentStore
 from tests.configs import assert_exactly_once, process_config_file
 
 MAX_STEPS = 12
 KILLS = 12
+SAVE_EVERY = 3  # durable versions 3, 6, 9, 12; a resume voids the weights-only ones after the last
 
 
 def _config(tmp_path: Path) -> Path:
@@ -49,6 +52,7 @@ def _config(tmp_path: Path) -> Path:
             "warmup_steps": 0,
             "max_trained_age": None,
             "save_total_limit": None,  # every version stays on disk, so the test can load each one
+            "save_every": SAVE_EVERY,
         },
         evaluation={"num_problems": 2, "k": 1, "max_rounds": 1},
         sft={"enabled": False},
@@ -145,14 +149,19 @@ def test_train_survives_twelve_sigkills_and_resumes_without_loss(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    for row in versions:
+    for row in versions:  # every version's weights load; the durable ones' trainer state too
         model = AutoModelForCausalLM.from_pretrained(Path(row["checkpoint_uri"]) / "policy")
+        assert is_durable(Path(row["checkpoint_uri"])) == (row["version"] % SAVE_EVERY == 0)
+        if row["version"] % SAVE_EVERY:
+            continue
         optimizer = torch.optim.AdamW(model.parameters())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
         step = load_checkpoint(
             Path(row["checkpoint_uri"]), {"policy": model}, {"policy": optimizer}, {"policy": scheduler}
         )
         assert step == row["version"]
+    rollbacks = store.query("SELECT detail FROM run_events WHERE run_id = 'crashy' AND event = 'rolled_back'")
+    print(f"resumes that voided weights-only versions: {rollbacks.column(0).to_pylist()}")
     assert "resuming run crashy" in final.stdout
 
 

@@ -11,8 +11,10 @@ import torch
 from marsrl_core.config import load_config
 from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.engines.hf import HFEngine
+from marsrl_core.learn.checkpoint import is_durable
 from marsrl_core.learn.learner import Learner
 from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore
+from tests.configs import assert_exactly_once
 from tests.rollout_helpers import digit_fraction, sample_groups
 
 RUN = "learn"
@@ -168,7 +170,7 @@ def _copy_groups(store, groups, source, target):
 
 
 def test_kill_and_resume_equals_an_uninterrupted_run(folder, tmp_path):
-    cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=3)
+    cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=3, save_every=1)
     store = SegmentStore.from_config(cfg.store)
     _, engine = _learner(cfg, store, folder, tmp_path, run="src")
     steps = [
@@ -201,6 +203,49 @@ def test_kill_and_resume_equals_an_uninterrupted_run(folder, tmp_path):
     assert resumed.optimizers["policy"].param_groups[0]["lr"] == straight.optimizers["policy"].param_groups[0]["lr"]
 
 
+def test_a_resume_voids_the_steps_after_the_last_durable_version_and_trains_them_again(folder, tmp_path):
+    """`save_every=2`: step 2 is durable, step 3 weights-only. Killed after step 3's commit, the learner
+    resumes at 2: step 3's version, consumptions and metrics are voided in one transaction (a
+    `rolled_back` event says so), its folder removed, its samples trainable again; trained again, the
+    run ends where an uninterrupted one does, every sample consumed once."""
+
+    cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=3, save_every=2, max_steps=4)
+    store = SegmentStore.from_config(cfg.store)
+    _, engine = _learner(cfg, store, folder, tmp_path, run="src")
+    steps = [
+        sample_groups(engine, store, "a", "solver", "S|4+4|", groups=2, size=4, seed=k, reward_fn=digit_fraction)
+        for k in range(4)
+    ]
+    copies = [_copy_groups(store, groups, "a", "b") for groups in steps]
+
+    straight, _ = _learner(cfg, store, folder, tmp_path, run="a")
+    torch.manual_seed(123)
+    for groups in steps:
+        straight.train_step(groups)
+
+    first, _ = _learner(cfg, store, folder, tmp_path, run="b")
+    torch.manual_seed(123)
+    for groups in copies[:3]:
+        first.train_step(groups)
+    root = tmp_path / "ckpt-b"
+    assert [is_durable(root / f"v{v}") for v in (1, 2, 3)] == [False, True, False]
+    del first
+    resumed, _ = _learner(cfg, store, folder, tmp_path, run="b")
+    assert resumed.resume() == 2
+    assert store.latest_version("b")[0] == 2 and not (root / "v3").exists()
+    assert store.events("b", "rolled_back") == {"rolled_back"}
+    voided = {sid for g in copies[2] for sid in g.sample_ids}
+    consumed = store.query("SELECT sample_id FROM consumptions WHERE run_id = 'b'").column(0).to_pylist()
+    assert not voided & set(consumed)
+    assert store.query("SELECT count(*) FROM train_steps WHERE run_id = 'b' AND step > 2").column(0)[0].as_py() == 0
+    for groups in copies[2:]:
+        resumed.train_step(groups)
+    a, b = _params(straight.models["policy"]), _params(resumed.models["policy"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert is_durable(root / "v4")  # the run's last step is durable
+    assert_exactly_once(store, "b")
+
+
 def client_versions(cfg) -> list:
     from mlflow import MlflowClient
 
@@ -225,7 +270,10 @@ def test_mlflow_holds_metrics_and_a_loadable_checkpoint(folder, tmp_path, monkey
         )
         learner.train_step(groups)
     assert client_versions(cfg) == []  # `log_checkpoint_steps` (50) logs no version of a 2-step run...
-    learner.log_newest_checkpoint()  # ...until the run ends (the learner flow's last call)
+    learner.log_newest_checkpoint()  # ...nor a weights-only one (`save_every` 10)...
+    assert client_versions(cfg) == []
+    learner.make_durable()  # ...until the run ends (the learner flow's last calls)
+    learner.log_newest_checkpoint()
     tracker.close()
     client = MlflowClient()
     history = client.get_metric_history(tracker.run_id, "solver/loss")
@@ -256,6 +304,7 @@ def test_a_long_run_keeps_the_newest_checkpoints_and_logs_every_nth(folder, tmp_
             f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite",
             f"store.data_path={tmp_path}/data",
             "learner.save_total_limit=2",
+            "learner.save_every=2",
             "tracking.log_checkpoint_steps=2",
             f"tracking.mlflow_tracking_uri=sqlite:///{tmp_path}/tracking/mlflow.db",
         ],
@@ -269,15 +318,20 @@ def test_a_long_run_keeps_the_newest_checkpoints_and_logs_every_nth(folder, tmp_
             sample_groups(engine, store, RUN, "solver", "S|1|", groups=1, size=4, seed=seed, reward_fn=digit_fraction)
         )
     root = tmp_path / f"ckpt-{RUN}"
-    assert sorted(p.name for p in root.iterdir()) == ["v4", "v5"]  # no v1-v3, no half-deleted tmp folder
-    model = learner.models["policy"]
-    assert load_checkpoint(root / "v5", {"policy": model}, learner.optimizers, learner.schedulers) == 5
+    # the two newest durable versions (2, 4) and the weights-only one after them; no v1, v3, no tmp folder
+    assert sorted(p.name for p in root.iterdir()) == ["v2", "v4", "v5"]
+    assert [is_durable(root / v) for v in ("v2", "v4", "v5")] == [True, True, False]
     assert store.count("policy_versions", RUN) == 5  # every version is still recorded
     client = MlflowClient(tracking_uri=cfg.tracking.mlflow_tracking_uri)
     logged = lambda: sorted(a.path for a in client.list_artifacts(tracker.run_id, "checkpoints"))  # noqa: E731
     assert logged() == ["checkpoints/v2", "checkpoints/v4"]
-    learner.log_newest_checkpoint()  # the end of the run logs the newest, which step 5 skipped
+    learner.log_newest_checkpoint()  # the newest durable version is logged already
+    assert logged() == ["checkpoints/v2", "checkpoints/v4"]
+    learner.make_durable()  # the end of the run: v5 becomes durable, and is logged
+    learner.log_newest_checkpoint()
     assert logged() == ["checkpoints/v2", "checkpoints/v4", "checkpoints/v5"]
+    model = learner.models["policy"]
+    assert load_checkpoint(root / "v5", {"policy": model}, learner.optimizers, learner.schedulers) == 5
     newest = client.get_model_version_by_alias(cfg.tracking.registered_model_name, NEWEST_ALIAS)
     assert newest.source.endswith("checkpoints/v5")
     # the artifacts lie beside the tracking database, not in the working directory
@@ -329,15 +383,25 @@ def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, mo
     assert sorted(r["sample_id"] for r in consumed) == sorted(s for g in groups for s in g.sample_ids)
 
 
-def test_the_learner_flow_keeps_its_step_budget_when_a_step_fails_and_is_retried(folder, tmp_path, monkeypatch):
+@pytest.mark.parametrize("save_every, expected_calls", [(1, [0, 1, 1, 2]), (10, [0, 1, 0, 1, 2])])
+def test_the_learner_flow_keeps_its_step_budget_when_a_step_fails_and_is_retried(
+    folder, tmp_path, monkeypatch, save_every, expected_calls
+):
     """A step that fails (here before its commit) is retried by the task with a learner rebuilt from the
-    last committed version; the flow must count the rebuilt learner's steps, so the run stops at its
-    budget and holds exactly that many versions."""
+    last durable version (step 1 with `save_every=1`; the start with 10, which voids step 1 and trains
+    it again); the flow must count the rebuilt learner's steps, so the run stops at its budget and
+    holds exactly that many versions."""
     from flows.learner import learner_flow
     from marsrl_core.runtime.context import runtime
 
     cfg = _process_cfg(
-        tmp_path, folder, learning_rate=1e-3, warmup_steps=0, groups_per_step=1, downstream_groups_per_step=1
+        tmp_path,
+        folder,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        groups_per_step=1,
+        downstream_groups_per_step=1,
+        save_every=save_every,
     )
     store = runtime().store(cfg)
     engine = HFEngine.from_pretrained(folder)
@@ -353,8 +417,9 @@ def test_the_learner_flow_keeps_its_step_budget_when_a_step_fails_and_is_retried
 
     monkeypatch.setattr(Learner, "train_step", fails_once)
     assert learner_flow(cfg, "budget", max_steps=3, poll_s=0.05, idle_timeout_s=5.0) == 3
-    assert calls == [0, 1, 1, 2]  # the failed step 2 was retried once, by the rebuilt learner
+    assert calls == expected_calls  # the failed step 2 was retried once, by the rebuilt learner
     assert store.count("policy_versions", "budget") == 3 and store.latest_version("budget")[0] == 3
+    assert_exactly_once(store, "budget")
 
 
 def test_a_non_finite_gradient_skips_the_update_and_publishes_the_weights_as_they_were(folder, tmp_path):

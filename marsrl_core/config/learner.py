@@ -130,14 +130,24 @@ class LearnerConfig(_Section):
         "says; or 'drop' them untrained. Over five seeds of the tiny run 'correct' drops no sample where "
         "'drop' loses 3.8%, with no measure lower (docs/results.md).",
     )
+    save_every: int = Field(
+        10,
+        ge=1,
+        description="A durable checkpoint (weights, optimizer, schedulers, RNG) every this many steps and at "
+        "the end of a run (verl's `save_freq`, TRL's `save_steps`). Every step still commits a version whose "
+        "weights the engines load: the steps between write the weights alone (no optimizer state, no fsync). "
+        "A resume restarts from the last durable version and voids the committed steps after it "
+        "(`SegmentStore.rollback_to`), so their samples are trained again, once. At 7B a durable checkpoint "
+        "is ~85 GB and a weights-only one ~15 GB (bf16).",
+    )
     save_total_limit: int | None = Field(
         3,
         ge=1,
-        description="Newest checkpoint folders kept on disk (older ones are deleted after each commit; "
-        "None keeps all). Nothing needs an older one: engines load only the newest committed version, a "
-        "resume the last committed one, an in-flight sample carries its own log-probs, and the MLflow "
-        "registry's alias points at its own copy (`tracking.log_checkpoint_steps`). Every version stays a "
-        "row in the store.",
+        description="Newest durable checkpoints kept on disk (older ones, and weights-only versions older "
+        "than the newest durable one, are deleted after each commit; None keeps all). Nothing needs an "
+        "older one: engines load only the newest committed version, a resume the last durable one, an "
+        "in-flight sample carries its own log-probs, and the MLflow registry's alias points at its own copy "
+        "(`tracking.log_checkpoint_steps`). Every version stays a row in the store.",
     )
 
     def groups_per_step_by_agent(self) -> dict[str, int]:

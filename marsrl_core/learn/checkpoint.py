@@ -13,9 +13,12 @@ gathered by rank 0), and one `shard.rank<r>.safetensors` per rank with that rank
 parameters and of the AdamW state (`save_rank_shard`); `trainer_state.json` indexes them (`rank_files`,
 one per rank). A resume reads only its own rank's file, so it needs the same number of ranks.
 
-It is written to a temporary folder and renamed into place when complete, so a folder named `v<v>`
-is always whole. Folders of versions the store never committed, and temporary folders, are cleaned
-up on resume; `prune_checkpoints` keeps only the newest folders (`learner.save_total_limit`).
+A durable version (every `learner.save_every` steps) holds all of the above; the versions between are
+weights-only (`save_weights`: the model folders alone, not fsynced), enough for the engines and an
+evaluation, not for a resume (`is_durable`). Either is written to a temporary folder and renamed
+into place when complete, so a folder named `v<v>` is always whole. Folders of versions the store
+never committed, and temporary folders, are cleaned up on resume; `prune_checkpoints` keeps the
+newest durable versions (`learner.save_total_limit`) and what is newer than the newest of them.
 
 Deliberate simplification: the optimizer is flattened per parameter index; this supports AdamW (and
 any optimizer whose state is tensors and numbers), which is all the learner uses.
@@ -144,6 +147,43 @@ def save_checkpoint(
     os.replace(tmp, final)
     _fsync_dir(root)
     return final
+
+
+def save_weights(
+    root: Path,
+    version: int,
+    models: dict[str, Any],
+    tokenizer: Any,
+    save_dtype: torch.dtype,
+    full_states: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> Path:
+    """A weights-only version `<root>/v<version>`: the model folders in `save_dtype` (a sharded learner's
+    gathered `full_states`), written to a temporary folder and renamed into place. Not fsynced: a crash
+    voids the version anyway (a resume restarts from the last durable one)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = version_folder(root, version)
+    tmp = root / f"tmp-v{version}-{uuid.uuid4().hex[:8]}"
+    for name, model in models.items():
+        state = full_states[name] if full_states is not None else engine_state(model, save_dtype)
+        _save_pretrained(model, tmp / name, state, save_dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp / name)
+    crash_point("checkpoint.write")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def is_durable(folder: Path) -> bool:
+    """Whether a version folder holds the trainer state a resume needs (not weights alone)."""
+    return (Path(folder) / STATE_JSON).is_file()
+
+
+def newest_durable(root: Path, at_most: int) -> int:
+    """The newest durable version not newer than `at_most` in `root`; 0 (the starting policy) if none."""
+    return max((v for v, path in _version_folders(Path(root)) if v <= at_most and is_durable(path)), default=0)
 
 
 def _optimizer_tensors(name: str, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -368,11 +408,16 @@ def clean_uncommitted(root: Path, committed_version: int | None) -> list[Path]:
 
 
 def prune_checkpoints(root: Path, keep: int) -> list[Path]:
-    """Delete all but the `keep` (>= 1) newest version folders. Each is first renamed to a temporary
-    name, so a crash half-way through a deletion leaves no partial `v<v>` folder (resume removes `tmp-*`)."""
+    """Keep the `keep` (>= 1) newest durable versions, every version newer than the newest durable one,
+    and the newest version; delete the other folders. Each is first renamed to a temporary name, so a
+    crash half-way through a deletion leaves no partial `v<v>` folder (resume removes `tmp-*`)."""
     if keep < 1:
         raise CheckpointError(f"prune_checkpoints(keep={keep}): must keep at least the newest version")
-    removed = [path for _, path in _version_folders(Path(root))[:-keep]]
+    folders = _version_folders(Path(root))
+    durable = [v for v, path in folders if is_durable(path)]
+    kept = set(durable[-keep:]) | {v for v, _ in folders[-1:]}
+    newest_durable_version = durable[-1] if durable else 0
+    removed = [path for v, path in folders if v not in kept and v <= newest_durable_version]
     for path in removed:
         doomed = path.with_name(f"tmp-delete-{path.name}-{uuid.uuid4().hex[:8]}")
         os.replace(path, doomed)

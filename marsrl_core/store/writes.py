@@ -1,4 +1,4 @@
-"""The store's writes: append-only rows, each call one transaction.
+"""The store's writes: append-only rows, each call one transaction (a rollback alone deletes).
 
 - `append(...)` writes samples, segments and rewards of one rollout stage in one transaction, keyed:
   a sample id, a segment `(sample_id, segment_index)` or a sample's reward that is stored already is
@@ -8,7 +8,12 @@
   transaction (exactly-once: a sample consumed by a committed step is never listed again; a step that
   never committed leaves its samples trainable). Samples the learner dropped as too stale are
   consumptions too, with `learner_step = DROPPED_STALE` (-1), so they are accounted for and never
-  listed again.
+  listed again;
+- `rollback_to(run_id, version)` voids the committed steps after `version` (a resume from the last
+  durable checkpoint, `learner.save_every`): their consumptions, versions and metrics are deleted and a
+  `rolled_back` run event records what, in one transaction, so their samples are trainable again.
+  DuckLake's snapshots keep the deleted rows for time travel until the files expire. Samples those
+  steps dropped as stale stay dropped (a drop does not record its step).
 
 Appends never conflict logically, so a retried commit always converges. `replay(...)` runs a write
 again whose store process died during it (`store/process.py`): a write is one transaction and no other
@@ -98,6 +103,33 @@ class StoreWrites(StoreConnection):
         """Record a run event (e.g. 'rollouts_finished'), visible to every process."""
         batch = pa.table({"run_id": [run_id], "event": [event], "detail": [detail]}, schema=ARROW_SCHEMAS["run_events"])
         self._transaction(lambda c: self._insert(c, "run_events", batch))
+
+    def rollback_to(self, run_id: str, version: int) -> int:
+        """Void the run's committed steps after `version` (see the module docstring); how many. Calling
+        it again voids nothing more."""
+
+        def body(con: duckdb.DuckDBPyConnection) -> int:
+            voided = con.execute(
+                f"SELECT count(*), max(version) FROM {CATALOG}.policy_versions WHERE run_id = ? AND version > ?",
+                [run_id, version],
+            ).fetchone()
+            if not voided[0]:
+                return 0
+            for table, column in (
+                ("consumptions", "learner_step"),
+                ("policy_versions", "version"),
+                ("train_steps", "step"),
+            ):
+                con.execute(f"DELETE FROM {CATALOG}.{table} WHERE run_id = ? AND {column} > ?", [run_id, version])
+            event = {
+                "run_id": [run_id],
+                "event": ["rolled_back"],
+                "detail": [f"to {version}, voided {version + 1}..{voided[1]}"],
+            }
+            self._insert(con, "run_events", pa.table(event, schema=ARROW_SCHEMAS["run_events"]))
+            return int(voided[0])
+
+        return self._transaction(body)
 
     def reject(self, run_id: str, rejections: Sequence[Rejection]) -> None:
         """Record rejected inputs (what and why); the run goes on without them."""
