@@ -59,6 +59,17 @@ ROWS = {
     "rollout: admit": (["rollout.admit"], []),
     "rollout: rewards": (["rollout.rewards"], []),
     "rollout: next agents": (["rollout.advance"], []),
+    "rollout: stage, the rest": (
+        ["rollout.stage"],
+        [
+            "rollout.weights",
+            "rollout.decode",
+            "rollout.store_write",
+            "rollout.admit",
+            "rollout.rewards",
+            "rollout.advance",
+        ],
+    ),
     "rollout: idle": (["rollout.idle"], []),
     "learner: poll": (["learner.poll"], []),
     "learner: load samples": (["learner.load_samples"], []),
@@ -142,9 +153,14 @@ def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[s
             "count": count,
             "share": seconds / wall,
         }
-    # What no phase names in the decode loop's lane: its own work between them (scheduling, rewards).
+    # The decode loop's lane outside its stages and idle waits: between stages, or no loop running.
     rest = wall - sum(v["seconds"] for k, v in phases.items() if k.startswith("rollout"))
-    phases["rollout: the rest"] = {"seconds": rest, "per_step_s": rest / max(1, done), "count": 0, "share": rest / wall}
+    phases["rollout: outside stages"] = {
+        "seconds": rest,
+        "per_step_s": rest / max(1, done),
+        "count": 0,
+        "share": rest / wall,
+    }
     store_calls = {
         name.removeprefix("store."): {"seconds": seconds, "count": count, "ms_each": 1000 * seconds / max(1, count)}
         for name, (seconds, count) in spent.items()

@@ -5,9 +5,10 @@ reads `TIMINGS.snapshot()` before and after the stretch it measures (`benchmarks
 A span costs two `perf_counter` calls and a lock (about a microsecond), so it is always on.
 
 Phases (a name's prefix is its lane, the decode loop's or the learner's):
-- `rollout.*`: `weights` (poll the store for a newer version and load it into the engines), `decode`
-  (the engines' segment batches, re-prefill included), `store_write` (the stage's append), `idle`
-  (nothing to decode).
+- `rollout.*`: `stage` (one stage of the decode loop), which holds `weights` (poll the store for a
+  newer version and load it into the engines), `decode` (the engines' segment batches, re-prefill
+  included), `store_write` (the stage's append), `admit` (new problems' first groups), `rewards`
+  (judging finished outputs) and `advance` (the next agents' groups); and `idle` (nothing to decode).
 - `learner.*`: `poll` (find ready groups), `idle` (waiting for groups), `task` (the `train-step`
   Prefect task), which holds `step` (the learner's step: `load_samples`, `forward_backward`,
   `optimizer` (clip and step), `checkpoint_write`, `store_commit`, `tracking` (MLflow)) and

@@ -78,7 +78,10 @@ class AdmissionGate:
         """Take the learner's committed version from the store (each stage: a group's age counts from
         the version it starts under, so the gate must not think the learner further behind than it
         is; counts read earlier only overstate the backlog, which errs on the side of waiting)."""
-        latest = self.store.latest_version(self.run_id)
+        self.use_version(self.store.latest_version(self.run_id))
+
+    def use_version(self, latest: tuple[int, str] | None) -> None:
+        """Take the learner's committed version as the store just answered it (`latest_version`)."""
         self.learner_version = latest[0] if latest else 0
 
     def read(self, stored: Counter[str]) -> None:

@@ -153,7 +153,8 @@ class RolloutLoop:
                 idle = scheduler is None or scheduler.finished()
                 if not idle:
                     try:
-                        report = scheduler.stage()
+                        with timed("rollout.stage"):
+                            report = scheduler.stage()
                         failures = 0
                     except Exception as err:  # noqa: BLE001  (every failure is retried from the store, then reported)
                         failures += 1

@@ -263,8 +263,10 @@ class RolloutScheduler:
         rejected: list[Rejection] = []
         created: list[Sample] = []
         with timed("rollout.weights"):
-            self.weights.poll(self.version)
-            if self.gate is not None:
+            latest = self.weights.poll(self.version)  # one store query for the engines and the gate
+            if self.gate is not None and self.weights.store is self.gate.store:
+                self.gate.use_version(latest)
+            elif self.gate is not None:
                 self.gate.read_version()
             applied = self._apply_pending()
         if applied:

@@ -45,23 +45,25 @@ class WeightChannel:
             if self.pending is None or version > self.pending[0]:
                 self.pending = (version, weights)
 
-    def poll(self, engine_version: int) -> None:
-        """Offer the store's newest committed version if it is newer than `engine_version`."""
+    def poll(self, engine_version: int) -> tuple[int, str] | None:
+        """Offer the store's newest committed version if it is newer than `engine_version`; returns what
+        the store answered ((version, folder), or None before the first step, or without a store)."""
         if self.store is None:
-            return
+            return None
         latest = self.store.latest_version(self.run_id)
         with self._lock:
             published = self._published
             if published is not None and engine_version >= published[0]:
                 self._published = published = None  # the engines hold it: drop the copy
         if latest is None or latest[0] <= engine_version:
-            return
+            return latest
         version, uri = latest
         if published is not None and published[0] == version:
             self.offer(version, published[1])
-            return
+            return latest
         folders = agent_folders(Path(uri))
         self.offer(version, folders if self.per_agent else folders["solver"])
+        return latest
 
     def apply(self, engines: dict[str, Any], engine_version: int, oldest_in_flight: int | None, span: int) -> bool:
         """Load the pending version into `engines` ({agent: engine}; agents may share one) unless it is

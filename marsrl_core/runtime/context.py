@@ -46,7 +46,7 @@ class Runtime:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._stores: dict[tuple[str, str], Store] = {}
+        self._stores: dict[tuple[str, str, str], Store] = {}
         self._engines: dict[tuple[str, str, str], BatchingEngine] = {}
         self._learners: dict[str, Learner] = {}
         self._trackers: dict[str, Tracker] = {}
@@ -57,9 +57,13 @@ class Runtime:
         self._loops: dict[tuple[str, str, str], RolloutLoop] = {}
 
     # ------------------------------------------------------------------ services
-    def store(self, cfg: MarsRLConfig) -> Store:
-        """The store `cfg` names: in a child process of its own unless `store.separate_process` is off."""
-        key = (cfg.store.catalog_url, cfg.store.data_path)
+    def store(self, cfg: MarsRLConfig, lane: str = "main") -> Store:
+        """The store `cfg` names: in a child process of its own unless `store.separate_process` is off.
+        With a child process, each `lane` has its own ("learner": the learner's; "main": everything
+        else, the decode loop among it), so that the learner's calls do not wait for the decode loop's
+        turn (a store process serves one call at a time)."""
+        lane = lane if cfg.store.separate_process else "main"
+        key = (cfg.store.catalog_url, cfg.store.data_path, lane)
         with self._lock:
             if self._trimmer is None and cfg.malloc_trim_every_s is not None:
                 self._trimmer = MemoryTrimmer(cfg.malloc_trim_every_s)
@@ -157,7 +161,7 @@ class Runtime:
                 folder = policy_folder(cfg)
                 learner = Learner(
                     cfg,
-                    self.store(cfg),
+                    self.store(cfg, lane="learner"),
                     run_id,
                     folder,
                     checkpoint_root(cfg.output_dir, run_id),
