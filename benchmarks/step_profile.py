@@ -4,23 +4,30 @@ One run of the train flow (the one `make train` runs, evaluation off) with `roll
 Solver alone), from its first rollout to its last step. The decode loop and the learner are two lanes
 that run at once; each lane's phases are listed with their share of the run's wall-clock:
 - decode loop: weights (poll and load a newer version), decode (re-prefill included), store writes,
-  idle, and the rest of its stages (scheduling, rewards);
+  admitting problems, rewards, the next agents' groups, the rest of a stage, idle, and the time
+  outside its stages (between them, or while no loop runs);
 - learner: poll, load samples, forward/backward, optimizer, checkpoint write, store commit, MLflow,
-  weight hand-over, Prefect's bookkeeping (the train-step task less the step and the hand-over), idle.
+  weight hand-over, Prefect's bookkeeping (the train-step task less the step and the hand-over),
+  compaction, idle;
+- the store calls by method (a store process serves one call at a time: `lock_wait` is the turn).
 
 `--model qwen3-0.6b`: the same on a random-init model of Qwen3-0.6B's shape (28 layers, hidden 1024,
 Qwen3's real tokenizer and vocabulary) with short outputs and `--steps` steps (3), so what a checkpoint
 costs at a real model's size shows.
 
-`--compare`: this code's defaults against `--baseline` settings (the pre-`save_every` behaviour: a
-durable checkpoint every step), run after run, alternating, `--repeats` times (3); the medians of the
-runs' wall-clock to step `--steps` give `solver_only_speedup`.
+`--compare`: this code against a baseline, run after run, alternating, `--repeats` times (3), each run
+in a fresh process: `--baseline-ref COMMIT` runs the baseline from that commit's code (a git
+worktree; its own defaults), `--baseline KEY=VALUE` changes its settings (e.g.
+`learner.save_every=1`); the medians of the runs' wall-clock to step `--steps` give the speed-up.
 
-Run: `python benchmarks/step_profile.py` (tiny, 50 steps, ~1 min), `--model qwen3-0.6b`, `--compare`;
-`--set KEY=VALUE` overrides the runs. Writes `benchmarks/results/step_profile.json` (the key of the
-model: `tiny` or `qwen3_0_6b`, each with `wall_s`, `steps`, `per_step_s` and `phases`, every phase's
-`seconds`, `per_step_s`, `count` and `share`; with `--compare`, `solver_only_speedup` and the runs);
-the other model's figures already in the file are kept.
+Run: `python benchmarks/step_profile.py` (tiny, 50 steps, ~1 min), `--model qwen3-0.6b`,
+`--compare --baseline-ref fb70dfb` (the code before `save_every` and the step profile),
+`--model qwen3-0.6b --compare --baseline learner.save_every=1`; `--set KEY=VALUE` overrides every run.
+Writes `benchmarks/results/step_profile.json`: per model (`tiny`, `qwen3_0_6b`) `wall_s`, `steps`,
+`per_step_s`, `phases` (each phase's `seconds`, `per_step_s`, `count`, `share`) and `store_calls`;
+per comparison `<model>_compare_<baseline>` with `speedup`, both sides' wall-clocks and per-step
+seconds; `solver_only_speedup` for the tiny model against a baseline commit. Figures already in the
+file for other keys are kept.
 """
 
 from __future__ import annotations
@@ -29,19 +36,19 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
+CODE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(CODE))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 from benchmarks.common import RESULTS, print_rows, write_results  # noqa: E402
-from marsrl_core import timings  # noqa: E402
 from marsrl_core.config import load_config  # noqa: E402
 from marsrl_core.demo.sft import find_warm_start  # noqa: E402
 
-BASELINE = ("learner.save_every=1",)
 QWEN3_SETTINGS = (
     "rollout.segment_tokens=16",
     "rollout.solver_max_tokens=32",
@@ -118,10 +125,29 @@ def qwen3_model(folder: Path) -> Path:
     return folder
 
 
-def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[str, ...]) -> dict:
-    """One train-flow run to `steps` steps; its wall-clock and the phases' seconds over it."""
-    from flows.train import train_flow
+# One run, in a process of its own whose working directory is the code tree under test (this one, or
+# a `--baseline-ref` checkout): its train flow to the step budget, its wall-clock and phase timings.
+DRIVER = """
+import json, os, sys
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+args = json.loads(sys.argv[1])
+from marsrl_core.config import load_config
+from flows.train import train_flow
+try:
+    from marsrl_core import timings
+except ImportError:  # a baseline older than the phase timings: its wall-clock alone
+    timings = None
+before = timings.TIMINGS.snapshot() if timings else {}
+cfg = load_config("tiny", None, args["settings"])
+result = train_flow(cfg, args["tag"], evaluate_before=False, evaluate_after=False)
+spent = timings.since(before) if timings else {}
+figures = {"wall": result["train_wall_clock_s"], "steps": result["learner_steps"], "spent": spent}
+print("STEP_PROFILE " + json.dumps(figures))
+"""
 
+
+def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[str, ...], code: Path = CODE) -> dict:
+    """One train-flow run to `steps` steps of the code in `code`; its wall-clock and the phases' seconds."""
     settings = [
         f"store.catalog_url=sqlite:{root}/{tag}.sqlite",
         f"store.data_path={root}/{tag}-data",
@@ -129,7 +155,8 @@ def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[s
         f"tracking.mlflow_tracking_uri=sqlite:///{root}/{tag}-mlflow.db",
         "rollout.max_turns=1",
         f"learner.max_steps={steps}",
-        "data.num_batches=1000",  # the step budget ends the run
+        # enough batches for the budget (a batch of the tiny preset holds two Solver-only steps' groups)
+        f"data.num_batches={steps * 3 // 5 + 1 if model == 'tiny' else steps + 2}",
     ]
     if model == "tiny":
         settings.append(f"model.path={find_warm_start(load_config('tiny'))}")
@@ -138,10 +165,19 @@ def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[s
         if not folder.exists():
             qwen3_model(folder)
         settings += [f"model.path={folder}", "sft.enabled=false", *QWEN3_SETTINGS]
-    cfg = load_config("tiny", None, [*settings, *overrides])
-    before = timings.TIMINGS.snapshot()
-    result = train_flow(cfg, tag, evaluate_before=False, evaluate_after=False)
-    spent = timings.since(before)
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    args = json.dumps({"settings": [*settings, *overrides], "tag": tag})
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, args], cwd=code, env=env, capture_output=True, text=True, check=False
+    )
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("STEP_PROFILE ")), None)
+    if done.returncode or line is None:
+        raise RuntimeError(
+            f"run {tag} in {code} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+        )
+    result = json.loads(line.removeprefix("STEP_PROFILE "))
+    spent = {name: tuple(value) for name, value in result["spent"].items()}
+    result = {"train_wall_clock_s": result["wall"], "learner_steps": result["steps"]}
     wall, done = result["train_wall_clock_s"], result["learner_steps"]
     phases = {}
     for name, (plus, minus) in ROWS.items():
@@ -190,12 +226,19 @@ def print_profile(title: str, figures: dict) -> None:
     print_rows(f"{title}: store calls", ["method", "calls", "ms each", "seconds"], calls)
 
 
+def checkout(ref: str, folder: Path) -> Path:
+    """The code tree of git `ref` in `folder` (a detached worktree of this repository)."""
+    subprocess.run(["git", "-C", str(CODE), "worktree", "add", "--detach", str(folder), ref], check=True)
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=["tiny", "qwen3-0.6b"])
     parser.add_argument("--steps", type=int, default=None, help="Learner steps (tiny: 50, qwen3-0.6b: 3).")
-    parser.add_argument("--compare", action="store_true", help="This code's defaults against --baseline.")
-    parser.add_argument("--baseline", action="append", default=None, help="A KEY=VALUE of the baseline runs.")
+    parser.add_argument("--compare", action="store_true", help="This code's defaults against the baseline.")
+    parser.add_argument("--baseline-ref", default=None, help="The baseline's code: a git commit (default: this code).")
+    parser.add_argument("--baseline", action="append", default=[], help="A KEY=VALUE of the baseline runs.")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
     args = parser.parse_args()
@@ -203,7 +246,8 @@ def main() -> None:
     key = args.model.replace("-", "_").replace(".", "_")
     path = RESULTS / "step_profile.json"
     figures = json.loads(path.read_text()) if path.exists() else {}
-    baseline = tuple(args.baseline or BASELINE)
+    if args.compare and not (args.baseline_ref or args.baseline):
+        parser.error("--compare needs a baseline: --baseline-ref COMMIT and/or --baseline KEY=VALUE")
 
     with tempfile.TemporaryDirectory(prefix="marsrl-step-profile-") as tmp:
         root = Path(tmp)
@@ -212,25 +256,41 @@ def main() -> None:
             figures[key]["settings"] = args.overrides
             print_profile(args.model, figures[key])
         else:
-            runs: dict[str, list[dict]] = {"baseline": [], "defaults": []}
-            for repeat in range(args.repeats):
-                for variant, extra in (("baseline", baseline), ("defaults", ())):
-                    run = profile_run(root, f"{variant}{repeat}", args.model, steps, (*args.overrides, *extra))
-                    runs[variant].append(run)
-                    print_profile(f"{variant} {repeat}", run)
-            base = statistics.median(r["wall_s"] for r in runs["baseline"])
-            new = statistics.median(r["wall_s"] for r in runs["defaults"])
-            figures[f"{key}_compare"] = {
-                "solver_only_speedup": base / new,
-                "baseline_settings": list(baseline),
-                "baseline_wall_s": [r["wall_s"] for r in runs["baseline"]],
-                "defaults_wall_s": [r["wall_s"] for r in runs["defaults"]],
-                "baseline_phases": runs["baseline"][-1]["phases"],
-                "defaults_phases": runs["defaults"][-1]["phases"],
+            code = checkout(args.baseline_ref, root / "baseline-code") if args.baseline_ref else CODE
+            variants = {
+                "baseline": (code, (*args.overrides, *args.baseline)),
+                "this code": (CODE, tuple(args.overrides)),
             }
-            if key == "tiny":
+            runs: dict[str, list[dict]] = {name: [] for name in variants}
+            try:
+                for repeat in range(args.repeats):  # alternating, so load on this machine hits both alike
+                    for name, (tree, settings) in variants.items():
+                        run = profile_run(root, f"{name.replace(' ', '-')}{repeat}", args.model, steps, settings, tree)
+                        runs[name].append(run)
+                        print_profile(f"{name} {repeat}", run)
+            finally:
+                if args.baseline_ref:
+                    subprocess.run(["git", "-C", str(CODE), "worktree", "remove", "--force", str(code)], check=False)
+            base = statistics.median(r["wall_s"] for r in runs["baseline"])
+            new = statistics.median(r["wall_s"] for r in runs["this code"])
+            label = "_".join(filter(None, [f"ref_{args.baseline_ref}" if args.baseline_ref else "", *args.baseline]))
+            figures[f"{key}_compare_{label}"] = {
+                "speedup": base / new,
+                "steps": steps,
+                "baseline_ref": args.baseline_ref,
+                "baseline_settings": args.baseline,
+                "baseline_wall_s": [r["wall_s"] for r in runs["baseline"]],
+                "this_code_wall_s": [r["wall_s"] for r in runs["this code"]],
+                "baseline_per_step_s": base / steps,
+                "this_code_per_step_s": new / steps,
+                "this_code_phases": runs["this code"][-1]["phases"],
+            }
+            if key == "tiny" and args.baseline_ref and not args.baseline:
                 figures["solver_only_speedup"] = base / new
-            print(f"solver_only_speedup ({args.model}, {steps} steps, medians of {args.repeats}): {base / new:.2f}x")
+            print(
+                f"{args.model}, {steps} steps, medians of {args.repeats}: baseline {base:.1f} s, "
+                f"this code {new:.1f} s, speedup {base / new:.2f}x"
+            )
     print(f"wrote {write_results('step_profile', figures)}")
 
 

@@ -4,10 +4,13 @@ runs in this process or elsewhere.
 - `publish(version, weights)`: the learner in this process hands over the weights of a version it has
   committed (a state dict, or {agent: state dict}), so the engines load it from memory
   (`engine.weight_sync=memory`); a copy lives until the engines hold that version or a newer one.
-- `poll(engine_version)`: asked at every stage boundary. The newest version committed in the store,
-  when newer than the engines', is offered: its published weights if this process has them, else its
-  checkpoint folder (one folder for a shared policy, {agent: folder} for per-agent ones). A learner in
-  another process or machine is seen this way.
+- `committed(version, folder)`: the learner in this process has committed `version`; from then on
+  `poll` takes the run's newest version from here instead of asking the store at every stage (a run
+  has one learner: its lease).
+- `poll(engine_version)`: asked at every stage boundary. The newest version committed in the store
+  (or told by `committed`), when newer than the engines', is offered: its published weights if this
+  process has them, else its checkpoint folder (one folder for a shared policy, {agent: folder} for
+  per-agent ones). A learner in another process or machine is seen this way.
 - `offer(version, weights)`: a version for the engines directly (tests, the simulator); the newest
   offer is kept.
 - `apply(...)`: at a stage boundary, the pending version is loaded into the engines unless an
@@ -32,12 +35,18 @@ class WeightChannel:
         self.store, self.run_id, self.per_agent = store, run_id, per_agent
         self.pending: tuple[int, Any] | None = None  # (version, weights or {agent: weights})
         self._published: tuple[int, Any] | None = None
+        self._committed: tuple[int, str] | None = None  # from a learner in this process
         self._lock = threading.Lock()
 
     def publish(self, version: int, weights: Any) -> None:
         """The weights of committed version `version`, from this process's learner."""
         with self._lock:
             self._published = (version, weights)
+
+    def committed(self, version: int, folder: str) -> None:
+        """The learner in this process committed `version` (its folder): the run's newest version."""
+        with self._lock:
+            self._committed = (version, str(folder))
 
     def offer(self, version: int, weights: Any) -> None:
         """Keep `version` if it is newer than what is pending. Safe to call from any thread."""
@@ -50,7 +59,7 @@ class WeightChannel:
         the store answered ((version, folder), or None before the first step, or without a store)."""
         if self.store is None:
             return None
-        latest = self.store.latest_version(self.run_id)
+        latest = self._committed or self.store.latest_version(self.run_id)
         with self._lock:
             published = self._published
             if published is not None and engine_version >= published[0]:

@@ -188,6 +188,8 @@ def train_step(
         # rebuilds it from the last committed version (and its uncommitted folder is cleaned up).
         rt.drop_learner(run_id)
         raise
+    if rt.has_engine(cfg):  # this process's decode loop learns of the version without asking the store
+        rt.weight_channel(cfg, run_id).committed(report.step, str(report.checkpoint))
     if _sync_from_memory(cfg, learner) and rt.has_engine(cfg):  # this process's engines take it from memory
         with timed("learner.weight_handover"):
             per_agent = cfg.learner.policies == "per_agent"
