@@ -98,8 +98,9 @@ def _one_step(cfg, folder, tmp_path, run):
 
 
 def test_a_tiny_step_changes_a_bf16_model_through_its_fp32_master_weights(folder, tmp_path):
+    durable = "learner.save_every=1"  # the step's version is a durable checkpoint, with the masters
     mixed, report, changed = _one_step(
-        _cfg(tmp_path, "model.dtype=bfloat16", "learner.learning_rate=1e-6"), folder, tmp_path, "mixed"
+        _cfg(tmp_path, "model.dtype=bfloat16", "learner.learning_rate=1e-6", durable), folder, tmp_path, "mixed"
     )
     assert next(mixed.models["policy"].parameters()).dtype == torch.float32
     _, _, changed_pure = _one_step(
@@ -115,7 +116,7 @@ def test_a_tiny_step_changes_a_bf16_model_through_its_fp32_master_weights(folder
     state = load_safetensors_state(report.checkpoint / "policy")
     assert {v.dtype for v in state.values()} == {torch.bfloat16}
     assert HFEngine.from_pretrained(report.checkpoint / "policy", dtype="bfloat16").model.dtype == torch.bfloat16
-    cfg = _cfg(tmp_path, "model.dtype=bfloat16", "learner.learning_rate=1e-6")
+    cfg = _cfg(tmp_path, "model.dtype=bfloat16", "learner.learning_rate=1e-6", durable)
     resumed = Learner(cfg, SegmentStore.from_config(cfg.store), "mixed", folder, tmp_path / "ckpt-mixed")
     assert resumed.resume() == 1
     for (name, a), b in zip(mixed.models["policy"].named_parameters(), resumed.models["policy"].parameters()):
