@@ -271,9 +271,10 @@ class TrackingConfig(_Section):
     log_checkpoint_steps: int = Field(
         50,
         ge=0,
-        description="Log every n-th published checkpoint to MLflow (artifacts and a registered-model "
-        "version), and the newest at the end of the run; 0 never. Each is a full copy of the weights, so a "
-        "long run logs a few, not every step.",
+        description="Log a durable checkpoint (`learner.save_every`) to MLflow (artifacts and a "
+        "registered-model version) once n versions have passed since the last one logged, and the newest "
+        "durable one at the end of the run; 0 never. Each is a full copy of the weights, so a long run logs "
+        "a few, not every step.",
     )
 
 
