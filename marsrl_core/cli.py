@@ -305,7 +305,7 @@ def main(argv: Sequence[str] | None = None, extra_commands: dict | None = None, 
     offline_and_quiet()
     from marsrl_core.agents.problems import DatasetError
     from marsrl_core.engines.base import EngineError
-    from marsrl_core.learn.checkpoint import CheckpointError
+    from marsrl_core.learn.checkpoint_folders import CheckpointError
     from marsrl_core.store import StoreError
 
     argv = list(sys.argv[1:] if argv is None else argv)

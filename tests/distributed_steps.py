@@ -35,6 +35,7 @@ def main(spec_path: str) -> None:
         return
     for step_groups in spec["steps"][start : spec.get("limit")]:
         learner.train_step([TrainableGroup(g["group_id"], g["agent"], g["sample_ids"]) for g in step_groups])
+    learner.make_durable()  # as a run's end does: the last version holds the trainer state
     learner.stop_followers()
     shutdown()
     store.close()

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from marsrl_core.learn.checkpoint import is_durable, load_checkpoint
+from marsrl_core.learn.checkpoint import load_checkpoint
+from marsrl_core.learn.checkpoint_folders import is_durable
 from marsrl_core.store import SegmentStore
 from tests.configs import assert_exactly_once, process_config_file
 

@@ -11,7 +11,7 @@ import torch
 from marsrl_core.config import load_config
 from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.engines.hf import HFEngine
-from marsrl_core.learn.checkpoint import is_durable
+from marsrl_core.learn.checkpoint_folders import is_durable
 from marsrl_core.learn.learner import Learner
 from marsrl_core.store import RewardRow, SampleRow, SegmentRow, SegmentStore
 from tests.configs import assert_exactly_once
@@ -367,10 +367,12 @@ def test_a_poll_then_a_step_reads_the_trainable_groups_once(folder, tmp_path, mo
     store = runtime().store(cfg)
     engine = HFEngine.from_pretrained(folder)
     groups = sample_groups(engine, store, "poll", "solver", "S|3+4|", groups=2, size=4, reward_fn=digit_fraction)
-    runtime().learner(cfg, "poll")
+    learner_store = runtime().learner(cfg, "poll").store  # the learner's own store lane
     reads = []
-    original = store.trainable_groups_by_agent
-    monkeypatch.setattr(store, "trainable_groups_by_agent", lambda *a, **k: reads.append(1) or original(*a, **k))
+    original = learner_store.trainable_groups_by_agent
+    monkeypatch.setattr(
+        learner_store, "trainable_groups_by_agent", lambda *a, **k: reads.append(1) or original(*a, **k)
+    )
     found = work.ready_groups(cfg, "poll")
     assert found and len(reads) == 1
     first = work.train_step(cfg, "poll", found)

@@ -1,9 +1,7 @@
-"""Checkpoints: policy weights in Hugging Face format plus the full trainer state, all safetensors.
+"""Checkpoint contents: policy weights in Hugging Face format plus the full trainer state, all safetensors.
 
-A run's checkpoints live under `checkpoint_root(output_dir, run_id)` (`<output_dir>/checkpoints/<run>`).
-A checkpoint of version v is the folder `<root>/v<v>` holding one `save_pretrained` folder per policy
-(`policy` when shared, else `solver`/`verifier`/`corrector`; `agent_folders` maps each agent to its
-model folder) and the trainer state: optimizer
+Where the version folders live, which are durable and which are deleted is `checkpoint_folders.py`.
+A checkpoint of version v holds one `save_pretrained` folder per policy and the trainer state: optimizer
 tensors, the torch RNG and the fp32 master weights under mixed precision (the model folders hold
 `model.dtype`) in `trainer_state.safetensors`, the rest (optimizer hyper-parameters,
 scheduler state, Python RNG, step) in `trainer_state.json`. Nothing is ever unpickled.
@@ -15,10 +13,8 @@ one per rank). A resume reads only its own rank's file, so it needs the same num
 
 A durable version (every `learner.save_every` steps) holds all of the above; the versions between are
 weights-only (`save_weights`: the model folders alone, not fsynced), enough for the engines and an
-evaluation, not for a resume (`is_durable`). Either is written to a temporary folder and renamed
-into place when complete, so a folder named `v<v>` is always whole. Folders of versions the store
-never committed, and temporary folders, are cleaned up on resume; `prune_checkpoints` keeps the
-newest durable versions (`learner.save_total_limit`) and what is newer than the newest of them.
+evaluation, not for a resume. Either is written to a temporary folder and renamed into place when
+complete, so a folder named `v<v>` is always whole.
 
 Deliberate simplification: the optimizer is flattened per parameter index; this supports AdamW (and
 any optimizer whose state is tensors and numbers), which is all the learner uses.
@@ -38,41 +34,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from marsrl_core.config import AGENTS
 from marsrl_core.faults import crash_point
-
-STATE_TENSORS, STATE_JSON = "trainer_state.safetensors", "trainer_state.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint folder is missing or incomplete; the message names the folder."""
-
-
-SHARED_POLICY = "policy"  # the model folder of a shared policy inside a checkpoint
-
-
-def checkpoint_root(output_dir: str | Path, run_id: str) -> Path:
-    """Where a run's checkpoint versions are written."""
-    return Path(output_dir) / "checkpoints" / run_id
-
-
-def version_folder(root: Path, version: int) -> Path:
-    return Path(root) / f"v{version}"
-
-
-def policy_names(per_agent: bool) -> list[str]:
-    """The policies a checkpoint holds: one shared, or one per agent."""
-    return list(AGENTS) if per_agent else [SHARED_POLICY]
-
-
-def agent_folders(folder: Path) -> dict[str, Path]:
-    """The model folder each agent loads from `folder`: a Hugging Face model folder (the same for every
-    agent), or a checkpoint version (its shared `policy` folder, or one folder per agent)."""
-    folder = Path(folder)
-    if (folder / "config.json").is_file():
-        return {agent: folder for agent in AGENTS}
-    shared = (folder / SHARED_POLICY).is_dir()
-    return {agent: folder / (SHARED_POLICY if shared else agent) for agent in AGENTS}
+from marsrl_core.learn.checkpoint_folders import (
+    STATE_JSON,
+    STATE_TENSORS,
+    CheckpointError,
+    version_folder,
+)
 
 
 def engine_state(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -174,16 +142,6 @@ def save_weights(
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
-
-
-def is_durable(folder: Path) -> bool:
-    """Whether a version folder holds the trainer state a resume needs (not weights alone)."""
-    return (Path(folder) / STATE_JSON).is_file()
-
-
-def newest_durable(root: Path, at_most: int) -> int:
-    """The newest durable version not newer than `at_most` in `root`; 0 (the starting policy) if none."""
-    return max((v for v, path in _version_folders(Path(root)) if v <= at_most and is_durable(path)), default=0)
 
 
 def _optimizer_tensors(name: str, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -384,45 +342,6 @@ def _as_sharded(state: dict[int, dict[str, Any]], opt: torch.optim.Optimizer) ->
                         stride=param.stride(),
                     )  # fmt: skip
     return state
-
-
-def _version_folders(root: Path) -> list[tuple[int, Path]]:
-    """The `v<v>` folders under `root` with their versions, oldest first."""
-    if not root.exists():
-        return []
-    return sorted((int(m.group(1)), path) for path in root.iterdir() if (m := re.fullmatch(r"v(\d+)", path.name)))
-
-
-def clean_uncommitted(root: Path, committed_version: int | None) -> list[Path]:
-    """Delete temporary folders and version folders newer than the last committed version."""
-    root = Path(root)
-    if not root.exists():
-        return []
-    removed = [path for path in root.iterdir() if path.name.startswith("tmp-")]
-    removed += [
-        path for version, path in _version_folders(root) if committed_version is None or version > committed_version
-    ]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
-
-
-def prune_checkpoints(root: Path, keep: int) -> list[Path]:
-    """Keep the `keep` (>= 1) newest durable versions, every version newer than the newest durable one,
-    and the newest version; delete the other folders. Each is first renamed to a temporary name, so a
-    crash half-way through a deletion leaves no partial `v<v>` folder (resume removes `tmp-*`)."""
-    if keep < 1:
-        raise CheckpointError(f"prune_checkpoints(keep={keep}): must keep at least the newest version")
-    folders = _version_folders(Path(root))
-    durable = [v for v, path in folders if is_durable(path)]
-    kept = set(durable[-keep:]) | {v for v, _ in folders[-1:]}
-    newest_durable_version = durable[-1] if durable else 0
-    removed = [path for v, path in folders if v not in kept and v <= newest_durable_version]
-    for path in removed:
-        doomed = path.with_name(f"tmp-delete-{path.name}-{uuid.uuid4().hex[:8]}")
-        os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    return removed
 
 
 def _jsonable(value: Any) -> Any:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import random
 import uuid
-import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -47,7 +46,6 @@ from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.rewards import judge as judge_output
 from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER, Roles
 from marsrl_core.config import MarsRLConfig
-from marsrl_core.engines.base import SamplingParams, SegmentRequest
 from marsrl_core.faults import crash_point
 from marsrl_core.rollout.resume import restore
 from marsrl_core.rollout.samples import (
@@ -61,6 +59,7 @@ from marsrl_core.rollout.samples import (
     sample_row,
     shared_outcome,
 )
+from marsrl_core.rollout.segments import decode_segment
 from marsrl_core.rollout.turns import batches_on_their_turn, has_next_turn, next_turn_inputs
 from marsrl_core.rollout.weights import WeightChannel
 from marsrl_core.store import Rejection, RewardRow, SegmentRow, Store
@@ -274,41 +273,14 @@ class RolloutScheduler:
                 created = self._admit(rejected)
             report.admitted = len({s.problem.problem_id for s in created})
         active = self.in_flight()
-        segments: list[SegmentRow] = []
+        segments: list[SegmentRow] = []  # one per in-flight sample (`segments.decode_segment`)
         rewards: list[RewardRow] = []
         if active:
-            sampling = [
-                SamplingParams(self.rc.temperature, self.rc.top_p, self.rc.top_k, seed=self._sample_seed(s))
-                for s in active
-            ]
-            requests = [
-                SegmentRequest(
-                    s.prompt_ids, s.token_ids, min(self.rc.segment_tokens, s.max_tokens - len(s.token_ids)), p
-                )
-                for s, p in zip(active, sampling)
-            ]
             report.decoded = len(active)
             with timed("rollout.decode"):
-                results = self._decode(active, requests)
-            for sample, result in zip(active, results):
-                sample.token_ids.extend(result.token_ids)
-                sample.versions.extend([result.policy_version] * len(result.token_ids))
-                if result.finished:
-                    sample.finish = "stop"
-                elif len(sample.token_ids) >= sample.max_tokens:
-                    sample.finish = "budget"
-                segments.append(
-                    SegmentRow(
-                        sample.sample_id,
-                        sample.segments,
-                        result.token_ids,
-                        result.logprobs,
-                        result.policy_version,
-                        sample.finish or "length",
-                    )
-                )
-                sample.segments += 1
-                report.tokens += len(result.token_ids)
+                segments = decode_segment(self.engines, active, self.rc, self.seed)
+            for sample, segment in zip(active, segments):
+                report.tokens += len(segment.token_ids)
                 if sample.finish:
                     with timed("rollout.rewards"):
                         self.judge_finished(sample)
@@ -334,21 +306,6 @@ class RolloutScheduler:
         if rejected:
             self.store.reject(self.run_id, rejected)
         return report
-
-    def _decode(self, active: list[Sample], requests: list[SegmentRequest]) -> list[Any]:
-        """One engine batch per distinct engine (one in all when the policy is shared)."""
-        results: list[Any] = [None] * len(active)
-        by_engine: dict[int, list[int]] = {}
-        for i, sample in enumerate(active):
-            by_engine.setdefault(id(self.engines[sample.agent]), []).append(i)
-        for indices in by_engine.values():
-            engine = self.engines[active[indices[0]].agent]
-            for i, result in zip(indices, engine.decode_segment([requests[i] for i in indices])):
-                results[i] = result
-        return results
-
-    def _sample_seed(self, sample: Sample) -> int:
-        return zlib.crc32(f"{self.seed}:{sample.sample_id}".encode())
 
     def judge_finished(self, sample: Sample) -> None:
         """Decode a finished sample's text and judge it (its reward and what was parsed)."""

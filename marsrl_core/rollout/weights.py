@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from marsrl_core.learn.checkpoint import agent_folders
+from marsrl_core.learn.checkpoint_folders import agent_folders
 
 
 class WeightChannel:

@@ -27,7 +27,7 @@ import transformers  # noqa: F401  (imported here, once: lazy imports from sever
 
 from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.engines.batching import BatchingEngine
-from marsrl_core.learn.checkpoint import checkpoint_root
+from marsrl_core.learn.checkpoint_folders import checkpoint_root
 from marsrl_core.policy import make_engine, policy_folder
 from marsrl_core.rollout.loop import RolloutLoop
 from marsrl_core.rollout.weights import WeightChannel
@@ -170,7 +170,7 @@ class Runtime:
                     ranks=current_ranks(),  # rank 0 of several: the others follow its steps
                 )
                 learner.resume()
-                if learner.step and learner.tracker.resumed:  # the interruption, on the run's MLflow run
+                if learner.tracker.resumed:  # the interruption, on the run's MLflow run
                     learner.tracker.log_metrics({"resumed": 1.0}, step=learner.step)
                 self._learners[run_id] = learner
             return self._learners[run_id]

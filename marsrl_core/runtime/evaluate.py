@@ -17,7 +17,7 @@ from marsrl_core.agents.problems import Problem, load_problems
 from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.demo.synthetic import make_problems
 from marsrl_core.engines.base import SamplingParams, TextGenerator, derive_seed
-from marsrl_core.learn.checkpoint import agent_folders
+from marsrl_core.learn.checkpoint_folders import agent_folders
 from marsrl_core.policy import make_engine, policy_folder, roles_from_config
 from marsrl_core.store import Rejection, Store
 
@@ -65,7 +65,7 @@ def resolve_checkpoint(cfg: MarsRLConfig, store: Store, spec: str | None) -> tup
     `RUN:VERSION`; with no SPEC the newest committed version of the store's most recent run, else the
     starting policy (`model.path`, the tiny preset's warm start, or a fresh tiny model). None: the
     starting policy's folder is resolved by `evaluate_policy` itself."""
-    from marsrl_core.learn.checkpoint import CheckpointError
+    from marsrl_core.learn.checkpoint_folders import CheckpointError
 
     if spec is None:
         newest = store.query(

@@ -23,7 +23,7 @@ from typing import Any
 
 from marsrl_core.agents.problems import DatasetError
 from marsrl_core.config import AGENTS, ConfigError, MarsRLConfig, build_config, migrate_renamed
-from marsrl_core.learn.checkpoint import agent_folders, checkpoint_root
+from marsrl_core.learn.checkpoint_folders import agent_folders, checkpoint_root
 from marsrl_core.learn.groups import ready_groups as _ready_groups
 from marsrl_core.policy import policy_folder, roles_from_config
 from marsrl_core.rollout.gate import AdmissionGate
@@ -170,6 +170,14 @@ def ready_groups(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> list[Tr
         return _ready_groups(runtime().learner(cfg, run_id), flush=flush)
 
 
+class StepFailedAgain(RuntimeError):
+    """A learner step failed a second time before any step went past it: a retry would roll back to the
+    last durable version and fail there again, so the run stops (and is resumed) instead."""
+
+
+_FAILED_STEPS: dict[str, int] = {}  # run -> the step that failed last, until a step past it commits
+
+
 def train_step(
     cfg: MarsRLConfig, run_id: str, groups: list[TrainableGroup] | None = None, flush: bool = False
 ) -> dict[str, Any] | None:
@@ -180,14 +188,23 @@ def train_step(
     groups = _ready_groups(learner, flush=flush) if groups is None else groups
     if not groups:
         return None
+    failing = learner.step + 1
     try:
         with timed("learner.step"):
             report = learner.train_step(groups)
-    except BaseException:
+    except BaseException as exc:
         # The update may have been applied in memory but not committed: drop this learner so a retry
-        # rebuilds it from the last committed version (and its uncommitted folder is cleaned up).
+        # rebuilds it from the last durable version (and its newer folders are cleaned up).
         rt.drop_learner(run_id)
+        if _FAILED_STEPS.get(run_id, 0) >= failing:  # failed here before, and no step since went past it
+            raise StepFailedAgain(
+                f"learner step {failing} of run {run_id!r} failed again after a retry from the last durable "
+                f"version: {exc!r}; `marsrl train --resume {run_id}` continues from that version"
+            ) from exc
+        _FAILED_STEPS[run_id] = failing
         raise
+    if report.step > _FAILED_STEPS.get(run_id, report.step):
+        del _FAILED_STEPS[run_id]
     if rt.has_engine(cfg):  # this process's decode loop learns of the version without asking the store
         rt.weight_channel(cfg, run_id).committed(report.step, str(report.checkpoint))
     if _sync_from_memory(cfg, learner) and rt.has_engine(cfg):  # this process's engines take it from memory
