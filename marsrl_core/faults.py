@@ -3,8 +3,9 @@ the n-th time it reaches `name`, when the environment variable `MARSRL_CRASH_AT=
 
 The points sit where a crash hurts most: after a rollout stage decoded but before its store append
 (`rollout.append`), after an optimizer update but before its checkpoint (`learner.update`), half-way
-through writing a checkpoint (`checkpoint.write`), and between the checkpoint's rename and the store
-commit that publishes it (`checkpoint.commit`), and in the store's child process before it runs a call
+through writing a checkpoint (`checkpoint.write`), between the checkpoint's rename and the store
+commit that publishes it (`checkpoint.commit`), half-way through the background write that makes a
+committed version durable (`checkpoint.durable`), and in the store's child process before it runs a call
 (`store.call`: every child the store process starts dies at its n-th call). With the variable unset
 a call is one dict lookup.
 
@@ -19,7 +20,14 @@ import os
 import signal
 import threading
 
-POINTS = ("rollout.append", "learner.update", "checkpoint.write", "checkpoint.commit", "store.call")
+POINTS = (
+    "rollout.append",
+    "learner.update",
+    "checkpoint.write",
+    "checkpoint.commit",
+    "checkpoint.durable",
+    "store.call",
+)
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
 

@@ -2,8 +2,9 @@
 
 A seeded schedule of 12 kills lands across rollout, training and checkpoint writing: at crash points
 (`marsrl_core.faults`: after a rollout stage decoded but before its store append, after an optimizer
-update, half-way through a checkpoint, between a checkpoint's rename and its store commit, each at a
-random arrival) and at random times. A durable checkpoint is written every third step (`save_every`),
+update, half-way through a checkpoint, between a checkpoint's rename and its store commit, inside the
+background write that makes a committed version durable, each at a random arrival) and at random
+times. A durable checkpoint is written every third step (`save_every`),
 so most kills land between two durable versions and the resume voids the steps after the last one.
 Every kill must land (the process dies of SIGKILL). After every kill the store is read from this
 process; at the end the run must hold every segment seen after any kill, no sample consumed by two
@@ -60,7 +61,8 @@ def _config(tmp_path: Path) -> Path:
     )
 
 
-ROLLOUT_POINTS, LEARNER_POINTS = ("rollout.append",), ("learner.update", "checkpoint.write", "checkpoint.commit")
+ROLLOUT_POINTS = ("rollout.append",)
+LEARNER_POINTS = ("learner.update", "checkpoint.write", "checkpoint.commit", "checkpoint.durable")
 KINDS = [*ROLLOUT_POINTS, *LEARNER_POINTS, "timer"]
 
 
@@ -77,6 +79,8 @@ def _next_kill(rng: random.Random, landed: list[str], rollouts_finished: bool, s
     kind = unhit[0] if unhit else rng.choice(kinds)
     if kind == "timer":
         return kind, rng.uniform(5.0, 12.0)  # an uninterrupted run takes ~45 s here, ~8 s of it start-up
+    if kind == "checkpoint.durable":  # the next durable version (every third step, and the last) is reached
+        return kind, 1
     return kind, rng.randint(1, 3) if kind in ROLLOUT_POINTS else rng.randint(1, min(2, left))
 
 

@@ -116,6 +116,7 @@ def test_a_tiny_step_changes_a_bf16_model_through_its_fp32_master_weights(folder
     state = load_safetensors_state(report.checkpoint / "policy")
     assert {v.dtype for v in state.values()} == {torch.bfloat16}
     assert HFEngine.from_pretrained(report.checkpoint / "policy", dtype="bfloat16").model.dtype == torch.bfloat16
+    mixed.wait_for_durable()  # its trainer state is written in the background (`learner.async_save`)
     cfg = _cfg(tmp_path, "model.dtype=bfloat16", "learner.learning_rate=1e-6", durable)
     resumed = Learner(cfg, SegmentStore.from_config(cfg.store), "mixed", folder, tmp_path / "ckpt-mixed")
     assert resumed.resume() == 1

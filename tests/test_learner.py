@@ -188,6 +188,7 @@ def test_kill_and_resume_equals_an_uninterrupted_run(folder, tmp_path):
     torch.manual_seed(123)
     for groups in copies[:2]:
         first.train_step(groups)
+    first.wait_for_durable()  # v2's trainer state is on disk (`learner.async_save`)
     # The process dies while writing step 3: a temporary folder and an uncommitted v3 are left behind.
     (tmp_path / "ckpt-b" / "tmp-v3-dead").mkdir()
     (tmp_path / "ckpt-b" / "v3").mkdir()
@@ -242,8 +243,52 @@ def test_a_resume_voids_the_steps_after_the_last_durable_version_and_trains_them
         resumed.train_step(groups)
     a, b = _params(straight.models["policy"]), _params(resumed.models["policy"])
     assert all(torch.equal(a[k], b[k]) for k in a)
+    resumed.wait_for_durable()
     assert is_durable(root / "v4")  # the run's last step is durable
     assert_exactly_once(store, "b")
+
+
+def test_a_durable_checkpoint_is_written_in_the_background_and_the_next_update_waits_for_it(
+    folder, tmp_path, monkeypatch
+):
+    """`learner.async_save`: step 2's version commits with the weights alone while its trainer state is
+    still being written (held here); step 3's update waits for that write, so the durable v2 holds step
+    2's AdamW state and masters, byte for byte what the synchronous write stores."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from marsrl_core.learn import versions
+
+    cfg = {"learning_rate": 1e-3, "warmup_steps": 0, "save_every": 2}
+    store = SegmentStore.from_config(_cfg(tmp_path).store)
+    _, engine = _learner(_cfg(tmp_path), store, folder, tmp_path, run="src")
+    steps = [
+        sample_groups(engine, store, "sync", "solver", "S|4+4|", groups=2, size=4, seed=k, reward_fn=digit_fraction)
+        for k in range(3)
+    ]
+    copies = [_copy_groups(store, groups, "sync", "async") for groups in steps]
+    sync, _ = _learner(_cfg(tmp_path, async_save=False, **cfg), store, folder, tmp_path, run="sync")
+    torch.manual_seed(123)
+    for groups in steps[:2]:
+        sync.train_step(groups)
+
+    release, real_add = threading.Event(), versions.add_trainer_state
+    monkeypatch.setattr(versions, "add_trainer_state", lambda *a: release.wait(60) and real_add(*a))
+    learner, _ = _learner(_cfg(tmp_path, async_save=True, **cfg), store, folder, tmp_path, run="async")
+    torch.manual_seed(123)
+    for groups in copies[:2]:
+        learner.train_step(groups)
+    v2 = tmp_path / "ckpt-async" / "v2"
+    assert store.latest_version("async")[0] == 2 and (v2 / "policy").is_dir() and not is_durable(v2)
+    threading.Timer(1.0, release.set).start()  # step 3 begins while the write is held
+    learner.train_step(copies[2])  # its update waited for v2's write
+    assert is_durable(v2) and not is_durable(v2.parent / "v3")
+    written = load_file(v2 / "trainer_state.safetensors")
+    expected = load_file(tmp_path / "ckpt-sync" / "v2" / "trainer_state.safetensors")
+    assert set(written) == set(expected) and len(written) > 1  # the RNG and AdamW's moments
+    assert all(torch.equal(written[k], expected[k]) for k in expected if k != "rng.torch")
+    assert_exactly_once(store, "async")
 
 
 def client_versions(cfg) -> list:

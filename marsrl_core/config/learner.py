@@ -140,6 +140,14 @@ class LearnerConfig(_Section):
         "(`SegmentStore.rollback_to`), so their samples are trained again, once. At 7B a durable checkpoint "
         "is ~85 GB and a weights-only one ~15 GB (bf16).",
     )
+    async_save: bool = Field(
+        True,
+        description="Write a durable checkpoint's trainer state in a background thread (as Megatron's and "
+        "verl's `async_save`): the step commits its version with the weights alone and goes on; the thread "
+        "adds the optimizer state and RNG and makes the folder durable, and the next optimizer update waits "
+        "for it (the tensors it writes are the live ones, not copies). A crash before it ends leaves the "
+        "version weights-only, so a resume voids it. A sharded (`fsdp`) learner writes synchronously.",
+    )
     save_total_limit: int | None = Field(
         3,
         ge=1,

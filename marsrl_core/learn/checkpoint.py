@@ -14,7 +14,9 @@ one per rank). A resume reads only its own rank's file, so it needs the same num
 A durable version (every `learner.save_every` steps) holds all of the above; the versions between are
 weights-only (`save_weights`: the model folders alone, not fsynced), enough for the engines and an
 evaluation, not for a resume. Either is written to a temporary folder and renamed into place when
-complete, so a folder named `v<v>` is always whole.
+complete, so a folder named `v<v>` is always whole. `add_trainer_state` makes a weights-only folder
+durable in place (the learner's background write): the JSON goes last, so a folder is durable only
+once all of it is on disk.
 
 Deliberate simplification: the optimizer is flattened per parameter index; this supports AdamW (and
 any optimizer whose state is tensors and numbers), which is all the learner uses.
@@ -79,24 +81,14 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = version_folder(root, version)
     tmp = root / f"tmp-v{version}-{uuid.uuid4().hex[:8]}"
-    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
-    meta: dict[str, Any] = {
-        "step": step,
-        "python_rng": _jsonable(random.getstate()),
-        "optimizers": {},
-        "schedulers": {},
-    }
+    tensors, meta = trainer_state(models, optimizers, schedulers, step, save_dtype, sharded=bool(rank_shards))
     for name, model in models.items():
         if full_states is not None:  # already in save_dtype; the trained weights are in the rank files
             _save_pretrained(model, tmp / name, full_states[name], save_dtype)
         else:
-            _save_model(model, tmp / name, save_dtype, tensors, name)
+            _save_model(model, tmp / name, save_dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / name)
-    for name, opt in optimizers.items():
-        meta["optimizers"][name] = _optimizer_meta(opt)
-        if not rank_shards:  # a sharded learner's AdamW tensors are in the rank files
-            tensors.update(_optimizer_tensors(name, opt))
     if rank_shards:
         meta["rank_shards"] = rank_shards
         meta["rank_files"] = [_shard_file(rank) for rank in range(rank_shards)]  # the index: rank -> its file
@@ -104,8 +96,6 @@ def save_checkpoint(
         for rank in range(rank_shards):
             shutil.move(shards / _shard_file(rank), tmp / _shard_file(rank))
         shutil.rmtree(shards)
-    for name, sched in schedulers.items():
-        meta["schedulers"][name] = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
     crash_point("checkpoint.write")
     save_file(tensors, str(tmp / STATE_TENSORS))
     (tmp / STATE_JSON).write_text(json.dumps(meta))
@@ -115,6 +105,51 @@ def save_checkpoint(
     os.replace(tmp, final)
     _fsync_dir(root)
     return final
+
+
+def trainer_state(
+    models: dict[str, Any],
+    optimizers: dict[str, torch.optim.Optimizer],
+    schedulers: dict[str, Any],
+    step: int,
+    save_dtype: torch.dtype | None,
+    sharded: bool = False,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The trainer state as (tensors, JSON meta). The RNG states and the optimizers' and schedulers'
+    numbers are copied now; the tensors are the live ones, not copies (the trained weights where they
+    are not in `save_dtype`, AdamW's moments), so they must not change until written. A sharded
+    learner's tensors are in its rank files (`save_rank_shard`): here only the RNG."""
+    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    meta: dict[str, Any] = {"step": step, "python_rng": _jsonable(random.getstate()), "optimizers": {}}
+    meta["schedulers"] = {
+        name: {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"} for name, sched in schedulers.items()
+    }
+    for name, opt in optimizers.items():
+        meta["optimizers"][name] = _optimizer_meta(opt)
+        if not sharded:
+            tensors.update(_optimizer_tensors(name, opt))
+    for name, model in models.items():
+        params = dict(model.named_parameters())  # tied parameters once
+        if not sharded and save_dtype is not None and any(p.dtype != save_dtype for p in params.values()):
+            tensors.update({f"master.{name}.{key}": p.detach().contiguous() for key, p in params.items()})
+    return tensors, meta
+
+
+def add_trainer_state(folder: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Make the weights-only version `folder` durable in place (`trainer_state`'s output beside its model
+    folders): the tensors first, then everything fsynced, then the JSON, renamed into place, so that
+    `is_durable` holds only once all of it is on disk. The learner's background writer runs this."""
+    folder = Path(folder)
+    save_file(tensors, str(folder / STATE_TENSORS))
+    crash_point("checkpoint.durable")
+    _fsync_tree(folder)
+    tmp = folder / f"{STATE_JSON}.tmp"
+    tmp.write_text(json.dumps(meta))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / STATE_JSON)
+    _fsync_dir(folder)
+    return folder
 
 
 def save_weights(
@@ -194,14 +229,12 @@ def save_rank_shard(
     save_file(tensors, str(folder / _shard_file(rank)))
 
 
-def _save_model(model: Any, folder: Path, dtype: torch.dtype | None, tensors: dict[str, torch.Tensor], name: str):
-    params = dict(model.named_parameters())
+def _save_model(model: Any, folder: Path, dtype: torch.dtype | None) -> None:
+    """The model's Hugging Face folder in `dtype` (its trained weights as they are, if of that dtype)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    if dtype is None or all(p.dtype == dtype for p in params.values()):
+    if dtype is None or all(p.dtype == dtype for p in model.parameters()):
         model.save_pretrained(folder, state_dict=state, safe_serialization=True)
         return
-    for key in params:
-        tensors[f"master.{name}.{key}"] = state[key].contiguous()  # written at once: no copy needed
     _save_pretrained(model, folder, {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, dtype)
 
 

@@ -64,7 +64,7 @@ from marsrl_core.learn.agent_loss import (
 from marsrl_core.learn.checkpoint_folders import SHARED_POLICY, policy_names
 from marsrl_core.learn.models import load_model, shard_and_fill
 from marsrl_core.learn.scoring import TokenScorer
-from marsrl_core.learn.versions import DURABLE, LearnerVersions
+from marsrl_core.learn.versions import DURABLE, DurableWriter, LearnerVersions
 from marsrl_core.store import SegmentStore, TrainableGroup
 from marsrl_core.timings import timed
 
@@ -136,6 +136,7 @@ class Learner(LearnerVersions):
         }
         self.step = 0
         self.logged_version = 0  # newest version logged to MLflow
+        self.writer = DurableWriter()  # `learner.async_save`
 
     def _scorer(self, model) -> TokenScorer:
         return TokenScorer(model, self.cfg.learner.logprob_chunk_tokens, self.temperature)
@@ -226,6 +227,7 @@ class Learner(LearnerVersions):
                         metrics[agent]["grad_norm"] = norm
                 nonfinite |= not math.isfinite(norm)
         if not nonfinite:
+            self.wait_for_durable()  # a background durable write reads the tensors this update changes
             for name in trained:
                 self.optimizers[name].step()
                 self.schedulers[name].step()

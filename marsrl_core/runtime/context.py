@@ -20,6 +20,7 @@ one run at a time).
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ from marsrl_core.store.process import StoreProcess
 if TYPE_CHECKING:
     from marsrl_core.learn.learner import Learner
     from marsrl_core.runtime.tracking import Tracker
+
+log = logging.getLogger(__name__)
 
 
 class Runtime:
@@ -179,7 +182,12 @@ class Runtime:
         """Forget the run's learner: the next `learner()` rebuilds it from the last committed version
         (after a failed step, whose update may be in memory but was never committed)."""
         with self._lock:
-            self._learners.pop(run_id, None)
+            learner = self._learners.pop(run_id, None)
+        if learner is not None:
+            try:  # its background durable write ends before a new learner resumes from the folders
+                learner.wait_for_durable()
+            except Exception as exc:  # that version stays weights-only: the resume voids it
+                log.warning("run %s: %s", run_id, exc)
 
     def has_tracker(self, run_id: str) -> bool:
         return run_id in self._trackers
