@@ -6,9 +6,10 @@ that run at once; each lane's phases are listed with their share of the run's wa
 - decode loop: weights (poll and load a newer version), decode (re-prefill included), store writes,
   admitting problems, rewards, the next agents' groups, the rest of a stage, idle, and the time
   outside its stages (between them, or while no loop runs);
-- learner: poll, load samples, forward/backward, optimizer, checkpoint write, store commit, MLflow,
-  weight hand-over, Prefect's bookkeeping (the train-step task less the step and the hand-over),
-  compaction, idle;
+- learner: poll, load samples, forward/backward, optimizer, the wait for a background durable write
+  (`learner.async_save`), checkpoint write, store commit, MLflow, weight hand-over, Prefect's
+  bookkeeping (the train-step task less the step and the hand-over), compaction, idle; and the
+  background durable write itself (a thread beside the step: not part of its time);
 - the store calls by method (a store process serves one call at a time: `lock_wait` is the turn).
 
 `--model qwen3-0.6b`: the same on a random-init model of Qwen3-0.6B's shape (28 layers, hidden 1024,
@@ -81,7 +82,9 @@ ROWS = {
     "learner: poll": (["learner.poll"], []),
     "learner: load samples": (["learner.load_samples"], []),
     "learner: forward/backward": (["learner.forward_backward"], []),
-    "learner: optimizer": (["learner.optimizer"], []),
+    "learner: optimizer": (["learner.optimizer"], ["learner.durable_wait"]),
+    "learner: wait for the durable write": (["learner.durable_wait"], []),
+    "learner: durable write (background)": (["learner.durable_write"], []),
     "learner: checkpoint write": (["learner.checkpoint_write"], []),
     "learner: store commit": (["learner.store_commit"], []),
     "learner: MLflow": (["learner.tracking"], []),
