@@ -52,6 +52,7 @@ class Runtime:
         self._stores: dict[tuple[str, str, str], Store] = {}
         self._engines: dict[tuple[str, str, str], BatchingEngine] = {}
         self._learners: dict[str, Learner] = {}
+        self.failed_steps: dict[str, int] = {}  # run -> the step that failed last, until one past it commits
         self._trackers: dict[str, Tracker] = {}
         self._leases: dict[str, LearnerLease] = {}
         self._interrupted: set[str] = set()

@@ -175,9 +175,6 @@ class StepFailedAgain(RuntimeError):
     last durable version and fail there again, so the run stops (and is resumed) instead."""
 
 
-_FAILED_STEPS: dict[str, int] = {}  # run -> the step that failed last, until a step past it commits
-
-
 def train_step(
     cfg: MarsRLConfig, run_id: str, groups: list[TrainableGroup] | None = None, flush: bool = False
 ) -> dict[str, Any] | None:
@@ -196,15 +193,15 @@ def train_step(
         # The update may have been applied in memory but not committed: drop this learner so a retry
         # rebuilds it from the last durable version (and its newer folders are cleaned up).
         rt.drop_learner(run_id)
-        if _FAILED_STEPS.get(run_id, 0) >= failing:  # failed here before, and no step since went past it
+        if rt.failed_steps.get(run_id, 0) >= failing:  # failed here before, and no step since went past it
             raise StepFailedAgain(
                 f"learner step {failing} of run {run_id!r} failed again after a retry from the last durable "
                 f"version: {exc!r}; `marsrl train --resume {run_id}` continues from that version"
             ) from exc
-        _FAILED_STEPS[run_id] = failing
+        rt.failed_steps[run_id] = failing
         raise
-    if report.step > _FAILED_STEPS.get(run_id, report.step):
-        del _FAILED_STEPS[run_id]
+    if report.step > rt.failed_steps.get(run_id, report.step):
+        del rt.failed_steps[run_id]
     if rt.has_engine(cfg):  # this process's decode loop learns of the version without asking the store
         rt.weight_channel(cfg, run_id).committed(report.step, str(report.checkpoint))
     if _sync_from_memory(cfg, learner) and rt.has_engine(cfg):  # this process's engines take it from memory
