@@ -7,7 +7,8 @@ HASH := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 STAMP := $(VENV)/.installed-$(HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(HASH)
 
-.PHONY: install train test bench clean
+.PHONY: install train test bench clean sandbox-tools
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -27,6 +28,12 @@ $(TEST_STAMP): $(STAMP)
 
 install: $(STAMP)
 
+# The code verifier runs model-written programs under bubblewrap (Debian's `bubblewrap`): the sandbox
+# tests need it, and the verifier refuses to start without it.
+sandbox-tools:
+	@command -v bwrap >/dev/null || $(SUDO) apt-get install -y --no-install-recommends bubblewrap \
+		|| ($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends bubblewrap)
+
 train: install
 	$(BIN)/marsrl train
 
@@ -34,7 +41,7 @@ train: install
 # learning test: its margins were measured in a fresh process, and after other modules' Prefect test
 # servers have stopped, Prefect's events client logs an error for every task state change (about
 # 650 in one CI run), which changes the timing the pipelined run learns under.
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) sandbox-tools
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q --durations=15 -m "not vllm and not learning"
