@@ -82,7 +82,7 @@ ROWS = {
     "learner: poll": (["learner.poll"], []),
     "learner: load samples": (["learner.load_samples"], []),
     "learner: forward/backward": (["learner.forward_backward"], []),
-    "learner: optimizer": (["learner.optimizer"], ["learner.durable_wait"]),
+    "learner: optimizer": (["learner.optimizer"], []),
     "learner: wait for the durable write": (["learner.durable_wait"], []),
     "learner: durable write (background)": (["learner.durable_write"], []),
     "learner: checkpoint write": (["learner.checkpoint_write"], []),

@@ -209,29 +209,29 @@ class Learner(LearnerVersions):
         with timed("learner.forward_backward"):
             metrics = self._accumulate_gradients(per_agent)
         with timed("learner.optimizer"):
-            nonfinite = self._clip_and_step(per_agent, metrics)
+            nonfinite = self._clip(per_agent, metrics)
+        if not nonfinite:
+            self.wait_for_durable()  # a background durable write reads the tensors this update changes
+            with timed("learner.optimizer"):
+                for name in sorted({self.policy_name(a) for a in per_agent}):
+                    self.optimizers[name].step()
+                    self.schedulers[name].step()
+                    self._check_finite(name)
         for opt in self.optimizers.values():  # the gradients are spent: their memory is free for the checkpoint
             opt.zero_grad(set_to_none=True)
         return metrics, nonfinite
 
-    def _clip_and_step(self, per_agent: dict[str, list[TrainItem]], metrics: dict[str, dict[str, float]]) -> bool:
-        """Clip each trained policy's gradients and step its optimizer, unless a loss or a gradient norm
-        is non-finite (returned)."""
+    def _clip(self, per_agent: dict[str, list[TrainItem]], metrics: dict[str, dict[str, float]]) -> bool:
+        """Clip each trained policy's gradients; whether a loss or a gradient norm is non-finite (then
+        no policy is updated)."""
         nonfinite = not all(math.isfinite(m["loss"]) for m in metrics.values())
-        trained = sorted({self.policy_name(a) for a in per_agent})
         if not nonfinite:
-            for name in trained:
+            for name in sorted({self.policy_name(a) for a in per_agent}):
                 norm = self._clip_gradients(name)
                 for agent in per_agent:
                     if self.policy_name(agent) == name:
                         metrics[agent]["grad_norm"] = norm
                 nonfinite |= not math.isfinite(norm)
-        if not nonfinite:
-            self.wait_for_durable()  # a background durable write reads the tensors this update changes
-            for name in trained:
-                self.optimizers[name].step()
-                self.schedulers[name].step()
-                self._check_finite(name)
         return nonfinite
 
     def _record(self, metrics: dict, stats: dict, dropped: dict, nonfinite: bool, elapsed: float) -> None:
