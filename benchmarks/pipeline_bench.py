@@ -18,7 +18,8 @@
    streaming speed-up by segment size, `max_version_span` and batches in flight.
 
 Run: `python benchmarks/pipeline_bench.py` (`--repeats 3` by default; `--set KEY=VALUE` overrides both
-variants, and the results then go to pipeline_variant.json). Writes benchmarks/results/pipeline.json
+variants, and the results then go to pipeline_variant.json; `--sim-only` runs part 2 alone and keeps
+the file's CPU figures). Writes benchmarks/results/pipeline.json
 with cpu_speedup, cpu_trained_samples_per_s_ratio, cpu_speedup_each_run, cpu_decode_batch_mean,
 stale_drop_fraction (the pipelined runs' median of samples dropped untrained over those consumed:
 `work.sample_accounting`), the per-variant figures, sim_speedup_paper_scale (streaming),
@@ -27,6 +28,7 @@ sim_speedup_batch_barrier, sim_paper_scale and the sweeps.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -37,11 +39,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from benchmarks.common import print_rows, write_results  # noqa: E402
+from benchmarks.common import RESULTS, print_rows, write_results  # noqa: E402
 from marsrl_core.cli import add_overrides_option  # noqa: E402
 from marsrl_core.config import load_config  # noqa: E402
 from marsrl_core.demo.sft import find_warm_start  # noqa: E402
-from marsrl_core.rollout.simulate import SimConfig, compare  # noqa: E402
+from marsrl_core.rollout.simulate import SimConfig, compare, simulate  # noqa: E402
 from marsrl_core.store import SegmentStore  # noqa: E402
 
 
@@ -127,16 +129,35 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="Alternated runs of each variant (median taken).")
+    parser.add_argument(
+        "--sim-only", action="store_true", help="Only the paper-scale simulation; the file's CPU figures are kept."
+    )
     add_overrides_option(
         parser, "A config override for both variants (repeatable); results go to pipeline_variant.json."
     )
     args = parser.parse_args()
     overrides = tuple(args.overrides)
+    name = "pipeline_variant" if overrides else "pipeline"
+    figures = {} if not args.sim_only else _kept(name)
+    if not args.sim_only:
+        figures.update(cpu_pairs(args.repeats, overrides))
+    figures.update(simulated())
+    path = write_results(name, figures)
+    print(f"wrote {path}")
+
+
+def _kept(name: str) -> dict:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def cpu_pairs(repeats: int, overrides: tuple[str, ...]) -> dict:
+    """The train flow, synchronous and pipelined, `repeats` alternated pairs: the `cpu_*` figures."""
     if find_warm_start(load_config("tiny")) is None:
         raise SystemExit("no warm start for the tiny preset: run `marsrl sft` first")
     runs: dict[str, list[dict]] = {"sync": [], "pipe": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):  # alternated, so that load on this shared machine hits both alike
+        for repeat in range(repeats):  # alternated, so that load on this shared machine hits both alike
             runs["sync"].append(flow_run(Path(tmp), True, repeat, overrides))
             runs["pipe"].append(flow_run(Path(tmp), False, repeat, overrides))
             print(
@@ -167,12 +188,29 @@ def main() -> None:
         [[name, *[r[c] for c in columns]] for name, r in (("synchronous", sync), ("pipelined", pipe))],
     )
     print(
-        f"CPU speed-up (synchronous / pipelined, medians of {args.repeats}): {cpu_speedup:.2f}x; each pair: "
+        f"CPU speed-up (synchronous / pipelined, medians of {repeats}): {cpu_speedup:.2f}x; each pair: "
         + ", ".join(f"{x:.2f}x" for x in each)
     )
     print(f"trained samples per second, pipelined / synchronous (median of the pairs): {samples_ratio:.2f}x")
     figure = plot_reward_curves(runs)
+    return {
+        "overrides": list(overrides),
+        "loop": "flows.train.train_flow (pipelined) vs the same with rollout.synchronous=true",
+        "cpu_speedup": cpu_speedup,
+        "stale_drop_fraction": statistics.median(r["stale_drop_fraction"] for r in runs["pipe"]),
+        "cpu_steps": pipe["steps"],
+        "cpu_repeats": repeats,
+        "cpu_speedup_each_run": each,
+        "cpu_trained_samples_per_s_ratio": samples_ratio,
+        "cpu_synchronous": sync,
+        "cpu_pipelined": pipe,
+        "cpu_decode_batch_mean": {"synchronous": sync["decode_batch_mean"], "pipelined": pipe["decode_batch_mean"]},
+        "reward_figure": str(figure),
+    }
 
+
+def simulated() -> dict:
+    """The paper-scale simulation: the three modes side by side, then the streaming rule's sweeps."""
     base = SimConfig()
     paper = compare(base)
     measures = [
@@ -204,7 +242,16 @@ def main() -> None:
     segments[str(base.segment_tokens)] = paper["streaming"]["speedup"]
     spans = {str(v): compare(replace(base, max_version_span=v), pair)["streaming"]["speedup"] for v in (0, 1)}
     spans[str(base.max_version_span)] = paper["streaming"]["speedup"]
-    in_flight = {str(b): compare(replace(base, batches_in_flight=b), pair)["streaming"]["speedup"] for b in (1, 3)}
+    # The synchronous baseline decodes one batch at a time whatever `batches_in_flight` says: it runs once.
+    sync = paper["synchronous"]
+    in_flight = {
+        str(b): sync["wall_clock_h"]
+        / simulate(replace(base, batches_in_flight=b), "streaming", until_trained=sync["trained_samples"]).as_dict()[
+            "wall_clock_h"
+        ]
+        for b in (1, 2, 3, 4)
+        if b != base.batches_in_flight
+    }
     in_flight[str(base.batches_in_flight)] = paper["streaming"]["speedup"]
     for title, column, sweep in (
         ("simulated streaming speed-up by segment size", "segment tokens", segments),
@@ -212,30 +259,14 @@ def main() -> None:
         ("simulated streaming speed-up by batches in flight", "batches", in_flight),
     ):
         print_rows(title, [column, "speed-up"], [[k, sweep[k]] for k in sorted(sweep, key=int)])
-    path = write_results(
-        "pipeline_variant" if overrides else "pipeline",
-        {
-            "overrides": list(overrides),
-            "loop": "flows.train.train_flow (pipelined) vs the same with rollout.synchronous=true",
-            "cpu_speedup": cpu_speedup,
-            "stale_drop_fraction": statistics.median(r["stale_drop_fraction"] for r in runs["pipe"]),
-            "cpu_steps": pipe["steps"],
-            "cpu_repeats": args.repeats,
-            "cpu_speedup_each_run": each,
-            "cpu_trained_samples_per_s_ratio": samples_ratio,
-            "cpu_synchronous": sync,
-            "cpu_pipelined": pipe,
-            "cpu_decode_batch_mean": {"synchronous": sync["decode_batch_mean"], "pipelined": pipe["decode_batch_mean"]},
-            "reward_figure": str(figure),
-            "sim_speedup_paper_scale": paper["streaming"]["speedup"],
-            "sim_speedup_batch_barrier": paper["batch_barrier"]["speedup"],
-            "sim_paper_scale": paper,
-            "sim_speedup_by_segment_tokens": segments,
-            "sim_speedup_by_max_version_span": spans,
-            "sim_speedup_by_batches_in_flight": in_flight,
-        },
-    )
-    print(f"wrote {path}")
+    return {
+        "sim_speedup_paper_scale": paper["streaming"]["speedup"],
+        "sim_speedup_batch_barrier": paper["batch_barrier"]["speedup"],
+        "sim_paper_scale": paper,
+        "sim_speedup_by_segment_tokens": segments,
+        "sim_speedup_by_max_version_span": spans,
+        "sim_speedup_by_batches_in_flight": in_flight,
+    }
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ RUN = "sim"
 @dataclass
 class SimConfig:
     problems_per_batch: int = 128
-    batches_in_flight: int = 2  # as rollout.batches_in_flight
+    batches_in_flight: int = 3  # as the paper preset's rollout.batches_in_flight
     solver_samples: int = 8
     downstream_inputs: int = 2
     downstream_samples: int = 8
