@@ -142,7 +142,10 @@ def rollouts_flow(
         learned = latest is not None and latest[0] >= config.learner.max_steps
         return learned or store.has_event(run_id, events.STOP_REQUESTED)
 
-    done = run_batches(config, run_id, todo, stop=stop)
+    try:
+        done = run_batches(config, run_id, todo, stop=stop)
+    finally:
+        runtime().end_checker(run_id)  # the outcome checks' worker processes end with the rollouts
     if finish:
         store.mark(run_id, events.ROLLOUTS_FINISHED)
     return done

@@ -70,6 +70,8 @@ def train_flow(
     except BaseException as err:  # a failure, or a stop (a signal, Ctrl-C): the MLflow run ends so too
         rt.end_tracker(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
         raise
+    finally:
+        rt.end_checker(run_id)  # the outcome checks' worker processes end with the run
     rt.end_tracker(run_id, "FINISHED")
     return result
 

@@ -204,6 +204,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import uuid
 
+    from marsrl_core.runtime.context import runtime
     from marsrl_core.runtime.evaluate import evaluate_policy, resolve_checkpoint
     from marsrl_core.runtime.progress import BarProgress, LogProgress
     from marsrl_core.runtime.report import print_report
@@ -215,12 +216,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     console.print(f"evaluating {name}", soft_wrap=True, highlight=False)
     run_id = f"{cfg.run_name}-eval-{uuid.uuid4().hex[:8]}"
     store.create_run(run_id, cfg.model_dump(mode="json"))
-    if console.is_terminal:
-        with BarProgress(console) as progress:
+    try:
+        if console.is_terminal:
+            with BarProgress(console) as progress:
+                report = evaluate_policy(cfg, store, run_id, "eval", folder=folder, progress=progress)
+        else:  # a pipe or a file: a line per phase, and one every 15 s while it decodes
+            progress = LogProgress(lambda line: console.print(line, highlight=False, soft_wrap=True))
             report = evaluate_policy(cfg, store, run_id, "eval", folder=folder, progress=progress)
-    else:  # a pipe or a file: a line per phase, and one every 15 s while it decodes
-        progress = LogProgress(lambda line: console.print(line, highlight=False, soft_wrap=True))
-        report = evaluate_policy(cfg, store, run_id, "eval", folder=folder, progress=progress)
+    finally:
+        runtime().end_checker(run_id)
     print_report(console, {"eval": report})
     console.print(f"recorded as run {run_id} (table evaluations)")
     return 0

@@ -28,7 +28,7 @@ def test_decoupled_rewards_table():
     ref = "4"
     right, wrong, junk = "7+5=2;2+9=1;1+3=4;Answer: 4", "7+5=2;2+9=1;1+3=5;Answer: 5", "7+5="
     # Solver and Corrector: their own answer.
-    assert [judge(a, t, reference=ref).reward for a in ("solver", "corrector") for t in (right, wrong, junk)] == [
+    assert [judge(a, t, problem=ref).reward for a in ("solver", "corrector") for t in (right, wrong, junk)] == [
         1,
         0,
         0,
@@ -45,9 +45,9 @@ def test_decoupled_rewards_table():
         (False, "no verdict", 0),
     ]
     for truth, text, reward in table:
-        assert judge("verifier", text, reference=ref, judged_solution_correct=truth).reward == reward
-    assert judge("solver", right, reference=ref, truncated=True).outcome == "truncated"
-    assert judge("solver", right, reference=ref, truncated=True, truncated_reward=-1).reward == -1
+        assert judge("verifier", text, problem=ref, judged_solution_correct=truth).reward == reward
+    assert judge("solver", right, problem=ref, truncated=True).outcome == "truncated"
+    assert judge("solver", right, problem=ref, truncated=True, truncated_reward=-1).reward == -1
 
 
 def test_shared_reward_gives_every_turn_the_final_outcome_of_its_trajectories():
@@ -61,7 +61,7 @@ def test_shared_reward_gives_every_turn_the_final_outcome_of_its_trajectories():
         s.judgement = judge(
             agent,
             text,
-            reference="4",
+            problem=problem,
             judged_solution_correct=None if agent != "verifier" else parent.solution.judgement.correct,
         )
         if parent is not None:

@@ -29,9 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from marsrl_core.agents.outcomes import Outcome, OutcomeChecker, check_outcome
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.reasoning import run_vc_loop
-from marsrl_core.agents.rewards import answers_match, judge_solution
+from marsrl_core.agents.rewards import Judgement, judge_solution
 from marsrl_core.agents.roles import CORRECT, CORRECTOR, SOLVER, VERIFIER, WRONG, Roles, parse_bug_report, parse_verdict
 from marsrl_core.engines.base import TextGenerator, complete_as, for_role
 
@@ -68,6 +69,10 @@ class EvalReport:
         return out
 
 
+def _check_here(items: list[tuple[Problem, str]]) -> list[Outcome]:
+    return [check_outcome(problem, text) for problem, text in items]
+
+
 def evaluate(
     generator: TextGenerator | dict[str, TextGenerator],
     roles: Roles,
@@ -78,9 +83,11 @@ def evaluate(
     accept_after: int = 4,
     max_rounds: int = 10,
     progress: Any = None,
+    checker: OutcomeChecker | None = None,
 ) -> EvalReport:
     """Measure Solver, Verifier, Corrector and the V-C system on `problems` (k samples each); each
-    agent's batched call is a phase of `progress` (`runtime.progress.Progress`) when one is given."""
+    agent's batched call is a phase of `progress` (`runtime.progress.Progress`) when one is given.
+    Outputs are checked by `checker`'s worker processes (each check time-limited), or in this process."""
     if not problems or k < 1:
         raise ValueError(f"evaluate: need at least one problem and k >= 1 (got {len(problems)} problems, k={k})")
     tok = for_role(generator, SOLVER).tokenizer
@@ -93,9 +100,19 @@ def evaluate(
         skipped_prompts.extend((role, pairs[r][0].problem_id, o.prompt_tokens) for r, o in zip(rows, outs) if o.skipped)
         return {r: o for r, o in zip(rows, outs) if not o.skipped}
 
+    check = checker.check_many if checker is not None else _check_here
+
+    def judged(completions: dict[int, Any]) -> dict[int, Judgement]:
+        """Solver or Corrector completions judged against their problems (the checks side by side)."""
+        checked = [r for r, c in completions.items() if not c.truncated]
+        outcomes = dict(zip(checked, check([(pairs[r][0], completions[r].text) for r in checked])))
+        return {
+            r: judge_solution(c.text, pairs[r][0], c.truncated, outcome=outcomes.get(r)) for r, c in completions.items()
+        }
+
     rows = list(range(len(pairs)))
     solutions = complete(SOLVER, [roles.prompt(tok, SOLVER, pairs[r][0].prompt) for r in rows], rows)
-    solver_judged = {r: judge_solution(s.text, pairs[r][0].answer, s.truncated) for r, s in solutions.items()}
+    solver_judged = judged(solutions)
     right = {r: j.correct for r, j in solver_judged.items()}
 
     rows = list(solutions)
@@ -120,7 +137,7 @@ def evaluate(
         ],
         rows,
     )
-    fixes_judged = {r: judge_solution(f.text, pairs[r][0].answer, f.truncated) for r, f in fixes.items()}
+    fixes_judged = judged(fixes)
     fixed_right = {r: j.correct for r, j in fixes_judged.items()}
     n_wrong_fixed = sum(not right[r] for r in fixes)
     fixed = sum(fr and not right[r] for r, fr in fixed_right.items())
@@ -146,7 +163,8 @@ def evaluate(
     )
     if progress is not None:
         progress.close()  # the last phase's closing line
-    vc_right = [answers_match(w.answer, problems[pi].answer) for pi, workers in zip(looped, vc) for w in workers]
+    finals = [(problems[pi], w.final_solution) for pi, workers in zip(looped, vc) for w in workers]
+    vc_right = [o.correct for o in check(finals)]
     tokens = sum(len(s.token_ids) for s in solutions.values()) + sum(w.tokens for workers in vc for w in workers)
     skipped = {role: sum(agent == role for agent, _, _ in skipped_prompts) for role in (SOLVER, VERIFIER, CORRECTOR)}
     skipped["vc_loop"] = sum(g.skipped for g in vc_generators.values()) - skipped_before_loop

@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from marsrl_core.agents.code import CodeTests
 from marsrl_core.store.rows import Rejection
 
 
@@ -34,10 +35,16 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class Problem:
+    """A task: its prompt, its reference `answer` (a math problem's; a code problem's reference
+    solution, or ""), and how an output is checked (`verifier`: "math" or "code", whose `tests` it
+    carries: `agents.outcomes`)."""
+
     problem_id: str
     prompt: str
     answer: str
     source: str = ""
+    verifier: str = "math"
+    tests: CodeTests | None = None
 
 
 @dataclass

@@ -1,52 +1,24 @@
 """Rewards: answer checking and the per-agent (decoupled) rewards.
 
 Decoupled rewards (the MarsRL default) are binary and known the moment an agent's output completes:
-- Solver, Corrector: 1 if the final answer matches the reference;
+- Solver, Corrector: 1 if the output solves the problem (`outcomes.py`: the final answer matches the
+  reference for a math problem, the program passes the tests for a code problem);
 - Verifier: 1 if its verdict matches the true correctness of the solution it judged (that truth is
   the judged solution's own reward).
 The shared-reward baseline (every turn gets its trajectory's final outcome) is computed over the
 rollout's samples: `marsrl_core.rollout.samples.shared_outcome`.
 
-Answers are checked with math-verify (LaTeX, fractions, units such as `336^\\circ` = `336`), with an
-exact fast path when both sides are plain integers (the demo task). Unparsable output and outputs cut
-off by their budget get 0 (`truncated_reward`), their outcome recorded with the reward.
-
-Deliberate simplification: math-verify's signal-based timeouts only work in the main thread, so they
-are switched off elsewhere (Prefect runs tasks in threads).
+Unparsable output gets 0 and outputs cut off by their budget get `truncated_reward` (0), their
+outcome recorded with the reward.
 """
 
 from __future__ import annotations
 
-import re
-import threading
 from dataclasses import dataclass
 
-from math_verify import parse, verify
-
+from marsrl_core.agents.outcomes import Outcome, answers_match, check_outcome
+from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.roles import CORRECT, CORRECTOR, SOLVER, VERIFIER, WRONG, parse_answer, parse_verdict
-
-_INTEGER = re.compile(r"^[+-]?\d+$")
-
-
-def _math_parse(text: str, timeout: int | None):
-    wrapped = text if "$" in text or "\\boxed" in text else f"${text}$"
-    return parse(wrapped, parsing_timeout=timeout)
-
-
-def answers_match(predicted: str | None, reference: str) -> bool:
-    """True when `predicted` is mathematically equal to `reference`."""
-    if predicted is None:
-        return False
-    predicted, reference = predicted.strip(), reference.strip()
-    if _INTEGER.match(predicted) and _INTEGER.match(reference):
-        return int(predicted) == int(reference)
-    if predicted == reference:
-        return True
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold, target = _math_parse(reference, timeout), _math_parse(predicted, timeout)
-    if not gold or not target:
-        return False
-    return bool(verify(gold, target, timeout_seconds=timeout))
 
 
 @dataclass(frozen=True)
@@ -55,19 +27,29 @@ class Judgement:
 
     reward: float
     correct: bool  # Solver/Corrector: the answer is right; Verifier: the verdict matches the truth
-    outcome: str  # "ok", "no_answer", "no_verdict", "truncated"
-    parsed: str | None  # the answer or the verdict
+    outcome: str  # "ok", "no_answer", "no_verdict", "truncated", "timeout", or why a code test failed
+    parsed: str | None  # the answer (a program's first line) or the verdict
 
 
-def judge_solution(text: str, reference: str, truncated: bool = False, truncated_reward: float = 0.0) -> Judgement:
-    """Solver and Corrector reward: 1 if the final answer matches the reference."""
-    answer = parse_answer(text)
+def judge_solution(
+    text: str,
+    problem: Problem | str,
+    truncated: bool = False,
+    truncated_reward: float = 0.0,
+    outcome: Outcome | None = None,
+) -> Judgement:
+    """Solver and Corrector reward: 1 if the output solves `problem` (a `Problem`, or a math reference
+    answer), by `outcome` when the caller checked it already (an `OutcomeChecker`), else checked here."""
     if truncated:
-        return Judgement(truncated_reward, False, "truncated", answer)
-    if answer is None:
-        return Judgement(0.0, False, "no_answer", None)
-    right = answers_match(answer, reference)
-    return Judgement(float(right), right, "ok", answer)
+        return Judgement(truncated_reward, False, "truncated", parse_answer(text))
+    if outcome is None:
+        outcome = check_outcome(as_problem(problem), text)
+    return Judgement(float(outcome.correct), outcome.correct, outcome.reason, outcome.parsed)
+
+
+def as_problem(problem: Problem | str) -> Problem:
+    """A `Problem` as is; a reference answer as a math problem with that answer."""
+    return problem if isinstance(problem, Problem) else Problem("", "", problem)
 
 
 def judge_verdict(
@@ -87,14 +69,15 @@ def judge(
     agent: str,
     text: str,
     *,
-    reference: str,
+    problem: Problem | str,
     judged_solution_correct: bool | None = None,
     truncated: bool = False,
     truncated_reward: float = 0.0,
+    outcome: Outcome | None = None,
 ) -> Judgement:
-    """The decoupled reward of `agent`'s finished output."""
+    """The decoupled reward of `agent`'s finished output (`outcome`: see `judge_solution`)."""
     if agent in (SOLVER, CORRECTOR):
-        return judge_solution(text, reference, truncated, truncated_reward)
+        return judge_solution(text, problem, truncated, truncated_reward, outcome)
     if agent == VERIFIER:
         if judged_solution_correct is None:
             raise ValueError("judge(verifier): judged_solution_correct is required")
@@ -102,4 +85,4 @@ def judge(
     raise ValueError(f"agent={agent!r}: expected solver, verifier or corrector")
 
 
-__all__ = ["CORRECT", "WRONG", "Judgement", "answers_match", "judge", "judge_solution", "judge_verdict"]
+__all__ = ["CORRECT", "WRONG", "Judgement", "answers_match", "as_problem", "judge", "judge_solution", "judge_verdict"]

@@ -60,5 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # the Solver 8 groups and each downstream agent up to 32, and with 4 a step a third of them
         # aged past max_trained_age untrained (benchmarks/learning_spread.py --set compares the two).
         "learner": {"learning_rate": 1e-4, "warmup_steps": 20, "max_steps": 50, "downstream_groups_per_step": 8},
+        # Integer answers, compared exactly: checked in the rollout's thread, without a pool's round trips.
+        "outcome": {"workers": 0},
     },
 }

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from marsrl_core.config.base import AGENTS, ConfigError, _Section  # noqa: F401 (ConfigError: re-exported)
 from marsrl_core.config.learner import LearnerConfig
+from marsrl_core.config.outcome import OutcomeConfig
 
 
 class ModelConfig(_Section):
@@ -153,6 +154,12 @@ class DataConfig(_Section):
     )
     question_field: str = Field("query", description="Dataset field holding the problem text.")
     answer_field: str = Field("ans_box", description="Dataset field holding the reference answer.")
+    verifier: Literal["math", "code"] = Field(
+        "math",
+        description="How a row's final outputs are checked when the row names none (its 'verifier' field): "
+        "'math' (the final answer against the reference, math-verify) or 'code' (the last fenced Python "
+        "block against the row's tests, in the sandbox; README, 'Datasets').",
+    )
     synthetic_min_terms: int = Field(3, ge=2, description="Synthetic task: fewest terms in a chain.")
     synthetic_max_terms: int = Field(5, ge=2, description="Synthetic task: most terms in a chain.")
     num_batches: int = Field(4, ge=1, description="Problem batches (rollout flows) in a training run.")
@@ -219,6 +226,12 @@ class EvaluationConfig(_Section):
     )
     question_field: str = Field("query", description="Dataset field holding the problem text.")
     answer_field: str = Field("ans_box", description="Dataset field holding the reference answer.")
+    verifier: Literal["math", "code"] = Field(
+        "math",
+        description="How a row's final outputs are checked when the row names none (its 'verifier' field): "
+        "'math' (the final answer against the reference, math-verify) or 'code' (the last fenced Python "
+        "block against the row's tests, in the sandbox; README, 'Datasets').",
+    )
 
 
 class StoreConfig(_Section):
@@ -303,6 +316,9 @@ class MarsRLConfig(_Section):
     roles: RolesConfig = Field(default_factory=RolesConfig, description="Prompt templates of the three agents.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="The supervised warm start before RL.")
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation and the V-C loop.")
+    outcome: OutcomeConfig = Field(
+        default_factory=OutcomeConfig, description="Checking final outputs: the worker pool and the code sandbox."
+    )
     store: StoreConfig = Field(default_factory=StoreConfig, description="The DuckLake segment store.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
 

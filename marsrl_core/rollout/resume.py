@@ -26,6 +26,7 @@ def restore(scheduler: RolloutScheduler, problems_by_id: dict[str, Problem], bat
         return 0
     stored = scheduler.store.load_samples(scheduler.run_id, [r["sample_id"] for r in rows])
     by_id: dict[str, Sample] = {}
+    finished: list[Sample] = []
     for r in rows:
         problem = problems_by_id[r["problem_id"]]
         st = stored[r["sample_id"]]
@@ -46,10 +47,11 @@ def restore(scheduler: RolloutScheduler, problems_by_id: dict[str, Problem], bat
         sample.segments = st.num_segments
         if st.finish_reason in ("stop", "budget"):
             sample.finish = st.finish_reason
-            scheduler.judge_finished(sample)
+            finished.append(sample)
         by_id[sample.sample_id] = sample
         state = scheduler.states.setdefault(problem.problem_id, ProblemState(problem, batch=batch))
         state.turns.setdefault(sample.turn, []).append(sample)
+    scheduler.judge_finished(finished)  # in turn order: a Verifier's judged solution comes before it
     rewarded = {r["sample_id"] for r in rows if r["rewarded"]}
     for state in scheduler.states.values():
         if state.problem.problem_id not in problems_by_id:

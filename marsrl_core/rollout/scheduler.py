@@ -42,6 +42,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from marsrl_core.agents.outcomes import OutcomeChecker
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.rewards import judge as judge_output
 from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER, Roles
@@ -81,6 +82,7 @@ class RolloutScheduler:
         weights: WeightChannel | None = None,
         gate: Any = None,
         judge: Callable[..., Any] = judge_output,
+        checker: OutcomeChecker | None = None,
         turn_barrier: bool = False,
         new_group_id: Callable[[], str] = lambda: uuid.uuid4().hex,
     ):
@@ -90,6 +92,8 @@ class RolloutScheduler:
         None: only what `offer_weights` offers.
         `gate`: asked before each admission (`AdmissionGate.admits`); None admits up to the limit.
         `judge`: how a finished output is judged (`agents.rewards.judge`'s signature).
+        `checker`: checks the finished Solver and Corrector outputs of a stage side by side, each
+        time-limited (`agents.outcomes.OutcomeChecker`); None: `judge` checks each in this thread.
         `turn_barrier`: hold each batch's problems at every turn until the whole batch has finished it.
         `new_group_id`: a new group's id (its samples are `<group id>-<i>`, their sampling seeds drawn
         from those): a uuid, unique across processes and restarts."""
@@ -112,6 +116,7 @@ class RolloutScheduler:
         self.synchronous = self.rc.synchronous
         self.gate = gate
         self.judge = judge
+        self.checker = checker
         self.turn_barrier = turn_barrier
         self.new_group_id = new_group_id
 
@@ -279,14 +284,13 @@ class RolloutScheduler:
             report.decoded = len(active)
             with timed("rollout.decode"):
                 segments = decode_segment(self.engines, active, self.rc, self.seed)
-            for sample, segment in zip(active, segments):
-                report.tokens += len(segment.token_ids)
-                if sample.finish:
-                    with timed("rollout.rewards"):
-                        self.judge_finished(sample)
-                    report.finished += 1
-                    if self.rc.reward_mode == "decoupled":
-                        rewards.append(reward_row(sample, sample.judgement.reward))
+            report.tokens += sum(len(segment.token_ids) for segment in segments)
+            finished = [sample for sample in active if sample.finish]
+            with timed("rollout.rewards"):
+                self.judge_finished(finished)
+            report.finished += len(finished)
+            if self.rc.reward_mode == "decoupled":
+                rewards += [reward_row(sample, sample.judgement.reward) for sample in finished]
         held = batches_on_their_turn(self.states.values()) if self.turn_barrier else set()
         for state in self.states.values():
             if not state.done and state.batch not in held:
@@ -307,18 +311,27 @@ class RolloutScheduler:
             self.store.reject(self.run_id, rejected)
         return report
 
-    def judge_finished(self, sample: Sample) -> None:
-        """Decode a finished sample's text and judge it (its reward and what was parsed)."""
-        sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        judged = sample.parent.solution.judgement.correct if sample.agent == VERIFIER else None
-        sample.judgement = self.judge(
-            sample.agent,
-            sample.text,
-            reference=sample.problem.answer,
-            judged_solution_correct=judged,
-            truncated=sample.finish == "budget",
-            truncated_reward=self.rc.truncated_reward,
-        )
+    def judge_finished(self, samples: list[Sample]) -> None:
+        """Decode finished samples' texts and judge them (their rewards and what was parsed): the Solver
+        and Corrector outputs checked side by side by `checker` when there is one."""
+        for sample in samples:
+            sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        outcomes: dict[str, Any] = {}
+        if self.checker is not None:
+            checked = [s for s in samples if s.agent in (SOLVER, CORRECTOR) and s.finish != "budget"]
+            results = self.checker.check_many([(s.problem, s.text) for s in checked])
+            outcomes = {s.sample_id: o for s, o in zip(checked, results)}
+        for sample in samples:
+            judged = sample.parent.solution.judgement.correct if sample.agent == VERIFIER else None
+            sample.judgement = self.judge(
+                sample.agent,
+                sample.text,
+                problem=sample.problem,
+                judged_solution_correct=judged,
+                truncated=sample.finish == "budget",
+                truncated_reward=self.rc.truncated_reward,
+                outcome=outcomes.get(sample.sample_id),
+            )
 
     def _advance(self, state: ProblemState, rejected, rewards: list[RewardRow]) -> list[Sample]:
         """Create the next turn's groups once the current turn has finished; close the problem when done."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import transformers  # noqa: F401  (imported here, once: lazy imports from several threads race)
 
+from marsrl_core.agents.outcomes import OutcomeChecker
 from marsrl_core.config import AGENTS, MarsRLConfig
 from marsrl_core.engines.batching import BatchingEngine
 from marsrl_core.learn.checkpoint_folders import checkpoint_root
@@ -59,6 +60,7 @@ class Runtime:
         self._trimmer: MemoryTrimmer | None = None
         self._channels: dict[tuple[str, str, str], WeightChannel] = {}  # (catalog, data path, run)
         self._loops: dict[tuple[str, str, str], RolloutLoop] = {}
+        self._checkers: dict[str, OutcomeChecker] = {}
 
     # ------------------------------------------------------------------ services
     def store(self, cfg: MarsRLConfig, lane: str = "main") -> Store:
@@ -110,6 +112,23 @@ class Runtime:
                 interrupted = lambda: self.interrupted(run_id)  # noqa: E731
                 loop = self._loops[key] = RolloutLoop(make_scheduler, interrupted=interrupted)
             return loop
+
+    def checker(self, cfg: MarsRLConfig, run_id: str) -> OutcomeChecker:
+        """The run's outcome checker in this process (`agents/outcomes.py`: `outcome.workers` processes,
+        each check cut at `outcome.timeout_s`), shared by its rollouts and evaluations until
+        `end_checker`. A run whose problems include code builds the sandbox first (refused here where
+        bubblewrap cannot run)."""
+        with self._lock:
+            if run_id not in self._checkers:
+                self._checkers[run_id] = OutcomeChecker.from_config(cfg, code=cfg.data.verifier == "code")
+            return self._checkers[run_id]
+
+    def end_checker(self, run_id: str) -> None:
+        """Stop the run's checker workers (the run's end)."""
+        with self._lock:
+            checker = self._checkers.pop(run_id, None)
+        if checker is not None:
+            checker.close()
 
     # ------------------------------------------------------------------ weights
     def weight_channel(self, cfg: MarsRLConfig, run_id: str) -> WeightChannel:
@@ -216,6 +235,9 @@ class Runtime:
             for loop in self._loops.values():
                 loop.close()
             self._loops.clear()
+            for checker in self._checkers.values():
+                checker.close()
+            self._checkers.clear()
             self._channels.clear()
             stores = list(self._stores.values())
             self._stores.clear()

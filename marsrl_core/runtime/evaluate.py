@@ -19,6 +19,7 @@ from marsrl_core.demo.synthetic import make_problems
 from marsrl_core.engines.base import SamplingParams, TextGenerator, derive_seed
 from marsrl_core.learn.checkpoint_folders import agent_folders
 from marsrl_core.policy import make_engine, policy_folder, roles_from_config
+from marsrl_core.runtime.context import runtime
 from marsrl_core.store import Rejection, Store
 
 HELD_OUT_SEED_OFFSET = 10_000  # held-out synthetic problems never share a generator seed with training
@@ -121,6 +122,7 @@ def evaluate_policy(
         accept_after=ev.accept_after,
         max_rounds=ev.max_rounds,
         progress=progress,
+        checker=runtime().checker(cfg, run_id),
     )
     metrics = report.as_dict() | {"wall_clock_s": time.perf_counter() - start}
     context = generator["solver"].context

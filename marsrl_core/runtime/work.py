@@ -114,6 +114,7 @@ def _make_scheduler(cfg: MarsRLConfig, run_id: str) -> RolloutScheduler:
         seed=cfg.seed * 7919,
         weights=rt.weight_channel(cfg, run_id),
         gate=gate,
+        checker=rt.checker(cfg, run_id),
     )
 
 
