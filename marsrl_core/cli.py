@@ -190,6 +190,22 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    """Write a dataset in MarsRL's row format."""
+    from pathlib import Path
+
+    from marsrl_core.agents.humaneval import humaneval_rows, write_rows
+
+    count = write_rows(humaneval_rows(), Path(args.out))
+    console.print(f"{count} {args.dataset} problems (code rows with their tests) -> {args.out}", highlight=False)
+    return 0
+
+
+def _data_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("dataset", choices=["humaneval"], help="humaneval: HumanEval's 164 problems and tests.")
+    command.add_argument("out", help="The JSON-lines file to write.")
+
+
 def cmd_compact(args: argparse.Namespace) -> int:
     from marsrl_core.store import SegmentStore
     from marsrl_core.store.console import locate
@@ -246,11 +262,13 @@ def build_parser(extra_commands: dict | None = None) -> tuple[argparse.ArgumentP
         "compact": (cmd_compact, "DuckLake maintenance: merge small files, expire snapshots."),
         "check": (cmd_check, "Check a run's exactly-once invariants in the store; exit 1 if any is broken."),
         "timeline": (cmd_timeline, "Draw a run's timeline: what each agent decoded when, and the learner's steps."),
+        "data": (cmd_data, "Write a dataset in MarsRL's row format (humaneval: code rows with their tests)."),
     }
     setups = {
         "sql": _sql_arguments,
         "check": lambda c: c.add_argument("run", help="The run whose store invariants to check."),
         "timeline": _timeline_arguments,
+        "data": _data_arguments,
         "eval": lambda c: c.add_argument(
             "--checkpoint",
             default=None,

@@ -18,7 +18,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from marsrl_core.agents.roles import DEFAULT_TEMPLATES, TINY_TEMPLATES, Roles
+from marsrl_core.agents.roles import CODE_TEMPLATES, DEFAULT_TEMPLATES, TINY_TEMPLATES, Roles
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.engines.base import EngineError
 
@@ -87,7 +87,7 @@ def make_engine(cfg: MarsRLConfig, folder: Path):
 
 
 def roles_from_config(cfg: MarsRLConfig) -> Roles:
-    base = TINY_TEMPLATES if cfg.roles.templates == "tiny" else DEFAULT_TEMPLATES
+    base = {"tiny": TINY_TEMPLATES, "code": CODE_TEMPLATES}.get(cfg.roles.templates, DEFAULT_TEMPLATES)
     return Roles.from_config(
         {"solver": cfg.roles.solver, "verifier": cfg.roles.verifier, "corrector": cfg.roles.corrector}, base=base
     )

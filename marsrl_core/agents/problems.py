@@ -5,6 +5,9 @@ written by Hugging Face `datasets.save_to_disk` (its `.arrow` files are read wit
 `datasets` package is not needed). Field names are configurable; MarsRL's format (`query`,
 `ans_box`, `qid`, `source`) is the default.
 
+A code row (`verifier: "code"`, or every row with `verifier="code"`) carries its tests instead of
+an answer: a test program with the function it checks, or input/output cases (`code_tests`).
+
 A bad row never stops a load: invalid JSON, non-UTF-8 bytes, text that is not valid Unicode (a lone
 surrogate such as `"\ud800"`, which is valid JSON) or holds a NUL character, a missing or empty
 question or answer, a question or answer that is not text or a number (a list, an object, a bool), a
@@ -101,6 +104,35 @@ def _text_problem(fields: tuple[tuple[str, str], ...]) -> str | None:
     return None
 
 
+def code_tests(row: dict[str, Any]) -> CodeTests | str:
+    """A code row's tests: `tests` (a program defining `check(candidate)`) with `entry_point`, or
+    `cases` (a list of {"input": ..., "output": ...}), and an optional `time_limit_s` per test run; or
+    why the row has none usable (a rejection's reason)."""
+    test, entry, cases = row.get("tests"), row.get("entry_point"), row.get("cases")
+    limit = row.get("time_limit_s", 10.0)
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit <= 600:
+        return f"'time_limit_s' must be a number of seconds in (0, 600], got {limit!r}"
+    if test is not None:
+        if not isinstance(test, str) or not test.strip():
+            return "'tests' must be a non-empty test program (text)"
+        if not isinstance(entry, str) or not entry.isidentifier():
+            return "'tests' needs 'entry_point': the name of the function it checks"
+        return CodeTests(test=test, entry_point=entry, time_limit_s=float(limit))
+    if cases is not None:
+        good = (
+            isinstance(cases, list)
+            and cases
+            and all(
+                isinstance(c, dict) and isinstance(c.get("input"), str) and isinstance(c.get("output"), str)
+                for c in cases
+            )
+        )
+        if not good:
+            return '\'cases\' must be a non-empty list of {"input": text, "output": text}'
+        return CodeTests(cases=tuple((c["input"], c["output"]) for c in cases), time_limit_s=float(limit))
+    return "a code row needs 'tests' (with 'entry_point') or 'cases'"
+
+
 def load_problems(
     path: str | Path,
     *,
@@ -109,8 +141,11 @@ def load_problems(
     id_field: str = "qid",
     count_tokens: Callable[[str], int] | None = None,
     max_prompt_tokens: int | None = None,
+    verifier: str = "math",
 ) -> LoadedProblems:
-    """Load a dataset; bad rows are returned as rejections, good rows as problems."""
+    """Load a dataset; bad rows are returned as rejections, good rows as problems. A row's `verifier`
+    field ("math" or "code") says how its outputs are checked, `verifier` when it has none; a code
+    row carries its tests (`code_tests`) and may leave the answer out."""
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"dataset {str(path)!r}: no such file")
@@ -128,7 +163,17 @@ def load_problems(
         if not isinstance(row, dict):
             reject(f"expected an object, got {type(row).__name__}")
             continue
-        question, answer = row.get(question_field), row.get(answer_field)
+        row_verifier = row.get("verifier", verifier)
+        if row_verifier not in ("math", "code"):
+            reject(f"verifier={row_verifier!r}: expected 'math' or 'code'")
+            continue
+        tests = None
+        if row_verifier == "code":
+            tests = code_tests(row)
+            if isinstance(tests, str):
+                reject(tests)
+                continue
+        question, answer = row.get(question_field), row.get(answer_field, "" if tests else None)
         if question is None or answer is None:
             missing = [name for name, value in ((question_field, question), (answer_field, answer)) if value is None]
             reject(f"missing field(s) {', '.join(repr(m) for m in missing)}")
@@ -142,7 +187,7 @@ def load_problems(
             reject("; ".join(f"{name!r} must be text or a number, got {kind}" for name, kind in kinds))
             continue
         question, answer = str(question).strip(), str(answer).strip()
-        if not question or not answer:
+        if not question or (not answer and tests is None):
             reject(f"empty {question_field!r}" if not question else f"empty {answer_field!r}")
             continue
         if problem := _text_problem(((question_field, question), (answer_field, answer))):
@@ -158,7 +203,8 @@ def load_problems(
             reject(f"duplicate problem id {problem_id!r} (first at {first_seen[problem_id]})")
             continue
         first_seen[problem_id] = location
-        result.problems.append(Problem(problem_id, question, answer, str(row.get("source", path.stem))))
+        source = str(row.get("source", path.stem))
+        result.problems.append(Problem(problem_id, question, answer, source, row_verifier, tests))
     if not result.problems:
         reasons = "; ".join(f"{r.location}: {r.reason}" for r in result.rejected[:3])
         raise DatasetError(f"dataset {str(path)!r}: no usable problems" + (f" ({reasons})" if reasons else " (empty)"))

@@ -46,6 +46,31 @@ DEFAULT_TEMPLATES = {
     ),
 }
 
+# Code tasks (`data.verifier=code`): the answer is a program in the output's last fenced Python block,
+# checked against the task's tests in the sandbox (`agents/code.py`).
+CODE_TEMPLATES = {
+    SOLVER: (
+        "Solve the following programming task in Python. Reason step by step, then give the complete "
+        "program (imports, the requested function and any helpers) in one fenced block at the end:\n"
+        "```python\n<your program>\n```\n\nTask:\n{problem}"
+    ),
+    VERIFIER: (
+        "You are a careful code reviewer. Check the program below against the task: trace it on the "
+        "task's examples and on edge cases, and look for wrong logic, unhandled inputs and errors. Do not "
+        "rewrite it.\n\nTask:\n{problem}\n\nProgram:\n{solution}\n\n"
+        "Write your report in this format:\n"
+        "Final verdict: one sentence.\n"
+        "Findings:\n- <each bug found, with the line it occurs in; 'none' if there are none>\n"
+        "Correctness: Correct or Wrong"
+    ),
+    CORRECTOR: (
+        "Below are a programming task, a previous program, and a bug report about that program. The bug "
+        "report may itself be wrong: check it before acting on it. Give the complete corrected program in "
+        "one fenced block at the end:\n```python\n<your program>\n```\n\n"
+        "Task:\n{problem}\n\nPrevious program:\n{solution}\n\nBug report:\n{report}"
+    ),
+}
+
 # Templates of the tiny demo model: short, character-level, one tag per role.
 TINY_TEMPLATES = {
     SOLVER: "S|{problem}|",

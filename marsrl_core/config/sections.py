@@ -166,8 +166,10 @@ class DataConfig(_Section):
 
 
 class RolesConfig(_Section):
-    templates: Literal["default", "tiny"] = Field(
-        "default", description="Base prompt templates: 'default' (the public V-C pipeline) or 'tiny' (the demo model)."
+    templates: Literal["default", "code", "tiny"] = Field(
+        "default",
+        description="Base prompt templates: 'default' (the public V-C pipeline, math), 'code' (the same for "
+        "programming tasks: the answer is a fenced Python block) or 'tiny' (the demo model).",
     )
     solver: str | None = Field(None, description="Solver template override (inline, or @file); fields {problem}.")
     verifier: str | None = Field(None, description="Verifier template override; fields {problem}, {solution}.")

@@ -11,6 +11,7 @@ rows are.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from marsrl_core.agents.problems import LoadedProblems, Problem, load_problems
 from marsrl_core.config import MarsRLConfig
@@ -32,7 +33,7 @@ def batch_problems(cfg: MarsRLConfig, batch_index: int) -> list[Problem]:
         )
     pool = training_set(cfg).problems
     return [
-        Problem(f"b{batch_index}-{p.problem_id}", p.prompt, p.answer, p.source)
+        replace(p, problem_id=f"b{batch_index}-{p.problem_id}")
         for p in (pool[(batch_index * n + i) % len(pool)] for i in range(n))
     ]
 
@@ -46,11 +47,15 @@ def training_set(cfg: MarsRLConfig) -> LoadedProblems:
     """The training file's problems and bad rows (DatasetError when it has no good row)."""
     data = cfg.data
     folder = str(policy_folder(cfg))
-    return _load(data.train_dataset, data.question_field, data.answer_field, folder, cfg.model.max_prompt_tokens)
+    return _load(
+        data.train_dataset, data.question_field, data.answer_field, folder, cfg.model.max_prompt_tokens, data.verifier
+    )
 
 
 @functools.lru_cache(maxsize=4)
-def _load(path: str, question_field: str, answer_field: str, tokenizer_folder: str, max_prompt_tokens: int):
+def _load(
+    path: str, question_field: str, answer_field: str, tokenizer_folder: str, max_prompt_tokens: int, verifier: str
+):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
@@ -60,4 +65,5 @@ def _load(path: str, question_field: str, answer_field: str, tokenizer_folder: s
         answer_field=answer_field,
         count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
         max_prompt_tokens=max_prompt_tokens,
+        verifier=verifier,
     )
