@@ -111,17 +111,9 @@ def qwen3_model(folder: Path) -> Path:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from tests.qwen3 import qwen3_config, qwen3_tokenizer_files
+    from tests.qwen3 import QWEN3_0_6B, qwen3_config, qwen3_tokenizer_files
 
-    config = qwen3_config(
-        1024,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-    )
+    config = qwen3_config(1024, **QWEN3_0_6B)
     torch.manual_seed(0)
     qwen3_tokenizer_files(folder)
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)

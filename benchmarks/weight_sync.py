@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from benchmarks.common import print_rows, write_results  # noqa: E402
 from marsrl_core.engines.hf import HFEngine  # noqa: E402
 from marsrl_core.learn.checkpoint import engine_state  # noqa: E402
-from tests.qwen3 import qwen3_config, qwen3_tokenizer_files  # noqa: E402
+from tests.qwen3 import QWEN3_0_6B, qwen3_config, qwen3_tokenizer_files  # noqa: E402
 from tests.servers import start_vllm_server  # noqa: E402
 
 CONTEXT = 256
@@ -48,15 +48,7 @@ def build_model(folder: Path, layers: int, dtype: torch.dtype):
     `folder` in `dtype` with Qwen3's tokenizer (what the engines start from)."""
     from transformers import Qwen3ForCausalLM
 
-    config = qwen3_config(
-        CONTEXT,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=layers,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-    )
+    config = qwen3_config(CONTEXT, **(QWEN3_0_6B | {"num_hidden_layers": layers}))
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
     qwen3_tokenizer_files(folder)

@@ -22,6 +22,11 @@ def qwen3_tokenizer_files(folder: Path) -> Path:
     return folder
 
 
+# Qwen3-0.6B's shape (the benchmarks' real-size model; `qwen3_config(..., **QWEN3_0_6B)`).
+QWEN3_0_6B = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28}
+QWEN3_0_6B |= {"num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128}
+
+
 def qwen3_config(max_position_embeddings: int = 2048, **shape):
     """A Qwen3Config with Qwen3's real vocabulary and special tokens, tied embeddings, and the small test
     shape (hidden 32, 2 layers) unless `shape` says otherwise (any field of the config)."""

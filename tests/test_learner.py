@@ -169,25 +169,30 @@ def _copy_groups(store, groups, source, target):
     return groups
 
 
-def test_kill_and_resume_equals_an_uninterrupted_run(folder, tmp_path):
-    cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=3, save_every=1)
-    store = SegmentStore.from_config(cfg.store)
+def _straight_and_interrupted(cfg, store, folder, tmp_path, first_steps):
+    """Four steps' groups of run "a", copied as run "b"; a learner of "a" trained on all four and one of
+    "b" on the first `first_steps`, from the same seed: (the "a" learner, the copies, the "b" learner)."""
     _, engine = _learner(cfg, store, folder, tmp_path, run="src")
     steps = [
         sample_groups(engine, store, "a", "solver", "S|4+4|", groups=2, size=4, seed=k, reward_fn=digit_fraction)
         for k in range(4)
     ]
     copies = [_copy_groups(store, groups, "a", "b") for groups in steps]  # the same samples under run "b"
-
     straight, _ = _learner(cfg, store, folder, tmp_path, run="a")
     torch.manual_seed(123)
     for groups in steps:
         straight.train_step(groups)
-
     first, _ = _learner(cfg, store, folder, tmp_path, run="b")
     torch.manual_seed(123)
-    for groups in copies[:2]:
+    for groups in copies[:first_steps]:
         first.train_step(groups)
+    return straight, copies, first
+
+
+def test_kill_and_resume_equals_an_uninterrupted_run(folder, tmp_path):
+    cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=3, save_every=1)
+    store = SegmentStore.from_config(cfg.store)
+    straight, copies, first = _straight_and_interrupted(cfg, store, folder, tmp_path, first_steps=2)
     first.wait_for_durable()  # v2's trainer state is on disk (`learner.async_save`)
     # The process dies while writing step 3: a temporary folder and an uncommitted v3 are left behind.
     (tmp_path / "ckpt-b" / "tmp-v3-dead").mkdir()
@@ -212,22 +217,7 @@ def test_a_resume_voids_the_steps_after_the_last_durable_version_and_trains_them
 
     cfg = _cfg(tmp_path, learning_rate=1e-3, warmup_steps=3, save_every=2, max_steps=4)
     store = SegmentStore.from_config(cfg.store)
-    _, engine = _learner(cfg, store, folder, tmp_path, run="src")
-    steps = [
-        sample_groups(engine, store, "a", "solver", "S|4+4|", groups=2, size=4, seed=k, reward_fn=digit_fraction)
-        for k in range(4)
-    ]
-    copies = [_copy_groups(store, groups, "a", "b") for groups in steps]
-
-    straight, _ = _learner(cfg, store, folder, tmp_path, run="a")
-    torch.manual_seed(123)
-    for groups in steps:
-        straight.train_step(groups)
-
-    first, _ = _learner(cfg, store, folder, tmp_path, run="b")
-    torch.manual_seed(123)
-    for groups in copies[:3]:
-        first.train_step(groups)
+    straight, copies, first = _straight_and_interrupted(cfg, store, folder, tmp_path, first_steps=3)
     root = tmp_path / "ckpt-b"
     assert [is_durable(root / f"v{v}") for v in (1, 2, 3)] == [False, True, False]
     del first

@@ -148,10 +148,9 @@ class RolloutConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
-    train_dataset: str | None = Field(
-        None, description="Training problems (jsonl/parquet/saved dataset); None generates the synthetic demo task."
-    )
+class _DatasetFields(_Section):
+    """A dataset file's field names and its rows' default verifier (training and evaluation sets alike)."""
+
     question_field: str = Field("query", description="Dataset field holding the problem text.")
     answer_field: str = Field("ans_box", description="Dataset field holding the reference answer.")
     verifier: Literal["math", "code"] = Field(
@@ -159,6 +158,12 @@ class DataConfig(_Section):
         description="How a row's final outputs are checked when the row names none (its 'verifier' field): "
         "'math' (the final answer against the reference, math-verify) or 'code' (the last fenced Python "
         "block against the row's tests, in the sandbox; README, 'Datasets').",
+    )
+
+
+class DataConfig(_DatasetFields):
+    train_dataset: str | None = Field(
+        None, description="Training problems (jsonl/parquet/saved dataset); None generates the synthetic demo task."
     )
     synthetic_min_terms: int = Field(3, ge=2, description="Synthetic task: fewest terms in a chain.")
     synthetic_max_terms: int = Field(5, ge=2, description="Synthetic task: most terms in a chain.")
@@ -217,7 +222,7 @@ class SFTConfig(_Section):
     )
 
 
-class EvaluationConfig(_Section):
+class EvaluationConfig(_DatasetFields):
     k: int = Field(4, ge=1, description="Samples (and V-C workers) per problem: accuracies are avg@k.")
     num_problems: int = Field(64, ge=1, description="Held-out problems evaluated (the first N of the dataset).")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature during evaluation.")
@@ -225,14 +230,6 @@ class EvaluationConfig(_Section):
     max_rounds: int = Field(10, ge=1, description="V-C loop: most verification rounds per worker.")
     dataset: str | None = Field(
         None, description="Benchmark file (jsonl/parquet/saved dataset); None uses held-out synthetic problems."
-    )
-    question_field: str = Field("query", description="Dataset field holding the problem text.")
-    answer_field: str = Field("ans_box", description="Dataset field holding the reference answer.")
-    verifier: Literal["math", "code"] = Field(
-        "math",
-        description="How a row's final outputs are checked when the row names none (its 'verifier' field): "
-        "'math' (the final answer against the reference, math-verify) or 'code' (the last fenced Python "
-        "block against the row's tests, in the sandbox; README, 'Datasets').",
     )
 
 

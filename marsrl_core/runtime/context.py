@@ -120,7 +120,8 @@ class Runtime:
         bubblewrap cannot run)."""
         with self._lock:
             if run_id not in self._checkers:
-                self._checkers[run_id] = OutcomeChecker.from_config(cfg, code=cfg.data.verifier == "code")
+                code = "code" in (cfg.data.verifier, cfg.evaluation.verifier)
+                self._checkers[run_id] = OutcomeChecker.from_config(cfg, code=code)
             return self._checkers[run_id]
 
     def end_checker(self, run_id: str) -> None:

@@ -35,7 +35,7 @@ def evaluation_problems(cfg: MarsRLConfig, store: Store, run_id: str, tokenizer)
         answer_field=ev.answer_field,
         count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
         max_prompt_tokens=cfg.model.max_prompt_tokens,
-        verifier=cfg.data.verifier,
+        verifier=ev.verifier,
     )
     store.reject(run_id, loaded.rejected)
     return loaded.problems[: ev.num_problems]
