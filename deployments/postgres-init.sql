@@ -2,3 +2,4 @@
 CREATE DATABASE prefect;
 CREATE DATABASE mlflow;
 CREATE DATABASE ducklake;
+CREATE DATABASE mlflow_auth;

@@ -18,15 +18,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, proc: subprocess.Popen, seconds: float) -> None:
-    """Wait until `url` answers 200; fail with the server's output if it exits or takes too long."""
+def wait_http(url: str, proc: subprocess.Popen, seconds: float, accept: tuple[int, ...] = (200,)) -> None:
+    """Wait until `url` answers (with a status in `accept`); fail with the server's output if it exits
+    or takes too long."""
     deadline = time.time() + seconds
     while time.time() < deadline:
         if proc.poll() is not None:
             output = proc.stdout or proc.stderr
             raise AssertionError(f"server exited early: {output.read()[-3000:] if output else ''}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2).status_code in accept:
                 return
         except httpx.HTTPError:
             pass
