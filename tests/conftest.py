@@ -45,8 +45,38 @@ def in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A throw-away PostgreSQL server for the session (`tests/postgres.py`)."""
+    from tests.postgres import PostgresServer, server_binaries
+
+    bin_dir = server_binaries()
+    if bin_dir is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl): install Debian's postgresql (make test does)")
+    server = PostgresServer(bin_dir)
+    yield server
+    server.stop()
+
+
 @pytest.fixture
-def store_paths(tmp_path):
+def catalog_kind():
+    """The DuckLake catalog of `store_paths`: SQLite, unless the module lists `CATALOGS`."""
+    return "sqlite"
+
+
+def pytest_generate_tests(metafunc):
+    """A module with `CATALOGS = ("sqlite", "postgres")` runs each of its store tests on each catalog."""
+    kinds = getattr(metafunc.module, "CATALOGS", None)
+    if kinds and "catalog_kind" in metafunc.fixturenames:
+        metafunc.parametrize("catalog_kind", kinds)
+
+
+@pytest.fixture
+def store_paths(tmp_path, catalog_kind, request):
+    """(catalog URL, data path) of a new store: a SQLite file, or a fresh database on the session's
+    PostgreSQL server."""
+    if catalog_kind == "postgres":
+        return "postgres:" + request.getfixturevalue("postgres_server").new_database(), str(tmp_path / "data")
     return f"sqlite:{tmp_path}/lake.sqlite", str(tmp_path / "data")
 
 

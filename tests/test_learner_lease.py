@@ -1,5 +1,6 @@
 """One learner per run: a second learner of a run is refused with an error naming the run and the
-holder, for as long as the holder lives; a holder that dies (SIGKILL) leaves no lease behind."""
+holder, for as long as the holder lives; a holder that dies (SIGKILL) leaves no lease behind. On a
+SQLite catalog and on a Postgres one (another process, as a learner on another machine would be)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from marsrl_core.store import StoreError
 from marsrl_core.store.lease import LearnerLease
 from tests.configs import process_config_file, small_config
 
+CATALOGS = ("sqlite", "postgres")  # a file lock beside SQLite, an advisory lock in Postgres (conftest)
 
-def test_a_second_lease_of_a_run_is_refused_until_the_first_ends(tmp_path):
-    catalog = f"sqlite:{tmp_path}/lake.sqlite"
+
+def test_a_second_lease_of_a_run_is_refused_until_the_first_ends(store_paths):
+    catalog, _ = store_paths
     first = LearnerLease(catalog, "r")
     with pytest.raises(StoreError, match=rf"run 'r' already has a learner \(pid {os.getpid()} on "):
         LearnerLease(catalog, "r")
@@ -28,8 +31,8 @@ def test_a_second_lease_of_a_run_is_refused_until_the_first_ends(tmp_path):
     other.release()
 
 
-def test_a_killed_holder_leaves_no_lease(tmp_path):
-    catalog = f"sqlite:{tmp_path}/lake.sqlite"
+def test_a_killed_holder_leaves_no_lease(store_paths, tmp_path):
+    catalog, _ = store_paths
     script = textwrap.dedent(f"""
         import time
         from marsrl_core.store.lease import LearnerLease

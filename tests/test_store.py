@@ -7,6 +7,8 @@ import pytest
 
 from marsrl_core.store import DROPPED_STALE, RewardRow, SampleRow, SegmentRow, SegmentStore, StoreError
 
+CATALOGS = ("sqlite", "postgres")  # each store test on a SQLite and a PostgreSQL catalog (conftest)
+
 RUN = "run-1"
 
 

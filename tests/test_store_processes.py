@@ -16,6 +16,8 @@ import pytest
 from marsrl_core.store import SampleRow, SegmentStore
 from tests.configs import assert_exactly_once
 
+CATALOGS = ("sqlite", "postgres")  # each store test on a SQLite and a PostgreSQL catalog (conftest)
+
 WORKERS = Path(__file__).with_name("store_workers.py")
 RUN = "mp"
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
