@@ -59,6 +59,19 @@ def postgres_server():
 
 
 @pytest.fixture
+def prefect_server(tmp_path):
+    """A real Prefect server for the test; yields its API URL and the environment that points a process
+    at it."""
+    from tests.servers import start_prefect_server, stop_process
+
+    server, api, env = start_prefect_server(tmp_path)
+    try:
+        yield api, env
+    finally:
+        stop_process(server)
+
+
+@pytest.fixture
 def catalog_kind():
     """The DuckLake catalog of `store_paths`: SQLite, unless the module lists `CATALOGS`."""
     return "sqlite"
@@ -67,7 +80,8 @@ def catalog_kind():
 def pytest_generate_tests(metafunc):
     """A module with `CATALOGS = ("sqlite", "postgres")` runs each of its store tests on each catalog."""
     kinds = getattr(metafunc.module, "CATALOGS", None)
-    if kinds and "catalog_kind" in metafunc.fixturenames:
+    chosen = any(m.args and m.args[0] == "catalog_kind" for m in metafunc.definition.iter_markers("parametrize"))
+    if kinds and "catalog_kind" in metafunc.fixturenames and not chosen:
         metafunc.parametrize("catalog_kind", kinds)
 
 

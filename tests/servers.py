@@ -53,3 +53,41 @@ def start_vllm_server(folder: Path, max_model_len: int, dtype: str, wait_s: floa
     base = f"http://127.0.0.1:{port}/v1"
     wait_http(f"{base}/models", server, wait_s)
     return server, base
+
+
+def stop_process(proc: subprocess.Popen | None) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def start_prefect_server(tmp_path: Path):
+    """A real Prefect server on a free port (its log in a file: a pipe nobody reads would fill and block
+    it); returns (process, API URL, the environment that points a process at it)."""
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+    }
+    log = tmp_path / "prefect-server.log"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        wait_http(f"{api}/health", server, 120)
+    except AssertionError as err:
+        stop_process(server)
+        raise AssertionError(f"{err}\n{log.read_text()[-3000:]}") from None
+    return server, api, env

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,49 +14,9 @@ import pytest
 
 from marsrl_core.config import config_to_yaml
 from tests.configs import small_config
-from tests.servers import free_port, wait_http
+from tests.servers import stop_process
 
 ROOT = Path(__file__).parents[1]
-
-
-@pytest.fixture
-def prefect_server(tmp_path):
-    """A real Prefect server for the test (its log in a file: a pipe nobody reads would fill and block
-    it); yields its API URL and the environment that points a process at it."""
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_LOGGING_LEVEL": "WARNING",
-    }
-    log = tmp_path / "prefect-server.log"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        try:
-            wait_http(f"{api}/health", server, 120)
-        except AssertionError as err:
-            raise AssertionError(f"{err}\n{log.read_text()[-3000:]}") from None
-        yield api, env
-    finally:
-        _stop(server)
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc is None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @pytest.mark.slow
@@ -112,7 +71,7 @@ def test_served_deployment_runs_when_triggered_through_the_api(tmp_path, prefect
         runs = client.search_runs([client.get_experiment_by_name("marsrl").experiment_id])
         assert [r.info.run_name for r in runs] == ["ui-run"]
     finally:
-        _stop(served)
+        stop_process(served)
 
 
 async def _trigger(api: str, parameters: dict, served: subprocess.Popen):
@@ -190,4 +149,4 @@ def test_the_worker_path_deploys_prefect_yaml_to_a_process_pool_and_a_worker_run
             time.sleep(2)
         assert recorded is not None and "solver_acc" in recorded
     finally:
-        _stop(worker)
+        stop_process(worker)

@@ -1,4 +1,6 @@
-"""Rollout and learner as two OS processes (as a Prefect worker runs deployments), one store between them."""
+"""Rollout and learner as two OS processes (as a Prefect worker runs deployments), one store between them:
+a SQLite catalog beside them, or a PostgreSQL one (the cluster shape, the learner's lease an advisory
+lock)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ import pytest
 from marsrl_core.store import SegmentStore
 from tests.configs import assert_exactly_once, process_config_file
 
+CATALOGS = ("sqlite", "postgres")  # the split run on a SQLite and on a PostgreSQL catalog (conftest)
+
 
 @pytest.mark.slow
-def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
+def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path, store_paths):
     # The gate with max_trained_age 1 lets the rollout process decode two steps' worth under the warm
     # start; the third step's groups wait for the learner's versions, so the rollout process has to pick
     # them up from the store (with the default 4, the three steps' groups all decode under version 0).
@@ -24,7 +28,11 @@ def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
         "learning_rate": 1e-3,
         "max_trained_age": 1,
     }
-    path = process_config_file(tmp_path, "split", data={"num_batches": 12}, learner=learner | {"warmup_steps": 0})
+    catalog, data = store_paths
+    store_section = {"catalog_url": catalog, "data_path": data}
+    path = process_config_file(
+        tmp_path, "split", data={"num_batches": 12}, learner=learner | {"warmup_steps": 0}, store=store_section
+    )
 
     # Each process runs Prefect in ephemeral mode with its own database (two processes writing one
     # ephemeral SQLite database lock each other out; a shared deployment uses a Prefect server instead).
@@ -49,7 +57,7 @@ def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
     assert rollout.returncode == 0, rollout.stdout[-3000:] + rollout.stderr[-3000:]
     out, _ = learner.communicate(timeout=600)
     assert learner.returncode == 0, out[-3000:]
-    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    store = SegmentStore(catalog, data)
     assert store.latest_version("split")[0] == 3  # versions advanced to the step budget
     # The rollout process starts no batch once the learner has its steps (at most the 12 batches' 24
     # problems are recorded); whatever it admitted, it decoded to the end.
@@ -61,3 +69,60 @@ def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path):
     versions = store.query("SELECT DISTINCT policy_version FROM segments").column("policy_version").to_pylist()
     print("policy versions seen by the rollout process:", sorted(versions))
     assert max(versions) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("catalog_kind", ["postgres"])
+def test_split_processes_on_postgres_survive_sigkills_of_each(tmp_path, store_paths, prefect_server):
+    """The cluster shape on one machine: one Prefect server, one PostgreSQL catalog, `marsrl rollout`
+    and `marsrl learn` as separate processes. The learner is SIGKILLed half-way through writing its
+    second checkpoint and the rollout process before its fourth store append (after decoding a
+    segment); each is restarted. The run ends with exactly its step budget, nothing stored, rewarded or
+    trained twice, and every committed checkpoint loads."""
+    from transformers import AutoModelForCausalLM
+
+    api, prefect_env = prefect_server
+    catalog, data = store_paths
+    steps = 4
+    learner_section = {"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": steps, "warmup_steps": 0}
+    path = process_config_file(
+        tmp_path,
+        "faults",
+        data={"num_batches": 16},
+        learner=learner_section
+        | {"learning_rate": 1e-3, "max_trained_age": 1, "save_every": 1, "save_total_limit": None},
+        store={"catalog_url": catalog, "data_path": data},
+    )
+    marsrl = [sys.executable, "-m", "flows.cli"]
+    learn = [*marsrl, "learn", "--config", str(path), "--run-id", "faults", "--idle-timeout", "240"]
+    rollout = [*marsrl, "rollout", "--config", str(path), "--run-id", "faults", "--finish"]
+
+    def start(command, crash=None):
+        env = {**prefect_env, "PREFECT_LOGGING_LEVEL": "WARNING"}
+        env.pop("MARSRL_CRASH_AT", None)
+        if crash:
+            env["MARSRL_CRASH_AT"] = crash
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    learner = start(learn, "checkpoint.write:2")
+    roller = start(rollout, "rollout.append:4")
+    out, _ = roller.communicate(timeout=600)
+    assert roller.returncode == -9, out[-3000:]  # killed at its crash point
+    roller = start(rollout)  # restarted while the learner runs: it resumes the batches in flight
+    out, _ = learner.communicate(timeout=600)
+    assert learner.returncode == -9, out[-3000:]
+    learner = start(learn)  # the gate held the rollouts meanwhile; the new learner resumes from v1
+    out, _ = roller.communicate(timeout=600)
+    assert roller.returncode == 0, out[-3000:]
+    out, _ = learner.communicate(timeout=600)
+    assert learner.returncode == 0, out[-3000:]
+
+    store = SegmentStore(catalog, data)
+    versions = store.query(
+        "SELECT version, checkpoint_uri FROM policy_versions WHERE run_id = 'faults' ORDER BY version"
+    ).to_pylist()
+    assert [v["version"] for v in versions] == list(range(1, steps + 1))
+    assert store.count("rewards", "faults") == store.count("samples", "faults")
+    assert_exactly_once(store, "faults")
+    for row in versions:
+        AutoModelForCausalLM.from_pretrained(f"{row['checkpoint_uri']}/policy")

@@ -16,8 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import free_port, wait_http
-from tests.test_deployments import _stop
+from tests.servers import free_port, stop_process, wait_http
 
 ROOT = Path(__file__).parents[1]
 COMPOSE = shutil.which("docker-compose") or str(Path(sys.executable).with_name("docker-compose"))
@@ -123,7 +122,7 @@ def test_the_prefect_api_asks_for_its_auth_string(tmp_path):
         assert httpx.post(f"{api}/flows/filter", json={}, headers=basic("marsrl:wrong")).status_code == 401
         assert httpx.post(f"{api}/flows/filter", json={}, headers=basic("marsrl:s3cret")).status_code == 200
     finally:
-        _stop(server)
+        stop_process(server)
 
 
 @pytest.mark.slow
@@ -156,4 +155,4 @@ def test_mlflow_asks_for_a_user_and_password(tmp_path):
         assert httpx.get(url, auth=("admin", "wrong")).status_code == 401
         assert httpx.get(url, auth=("admin", "s3cret-admin")).status_code == 200
     finally:
-        _stop(server)
+        stop_process(server)
