@@ -66,9 +66,10 @@ def stop_process(proc: subprocess.Popen | None) -> None:
         proc.kill()
 
 
-def start_prefect_server(tmp_path: Path):
+def start_prefect_server(tmp_path: Path, server_env: dict[str, str] | None = None):
     """A real Prefect server on a free port (its log in a file: a pipe nobody reads would fill and block
-    it); returns (process, API URL, the environment that points a process at it)."""
+    it), with `server_env` added to its environment; returns (process, API URL, the environment that
+    points a process at it). Up once its health check answers (401 counts: an API that asks for auth)."""
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
@@ -83,10 +84,10 @@ def start_prefect_server(tmp_path: Path):
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
-        env=env,
+        env={**env, **(server_env or {})},
     )
     try:
-        wait_http(f"{api}/health", server, 120)
+        wait_http(f"{api}/health", server, 120, accept=(200, 401))
     except AssertionError as err:
         stop_process(server)
         raise AssertionError(f"{err}\n{log.read_text()[-3000:]}") from None

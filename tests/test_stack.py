@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import free_port, stop_process, wait_http
+from tests.servers import free_port, start_prefect_server, stop_process, wait_http
 
 ROOT = Path(__file__).parents[1]
 COMPOSE = shutil.which("docker-compose") or str(Path(sys.executable).with_name("docker-compose"))
@@ -99,24 +99,8 @@ def test_dot_env_is_ignored_by_git_and_its_example_is_empty():
 
 @pytest.mark.slow
 def test_the_prefect_api_asks_for_its_auth_string(tmp_path):
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "HOME": str(tmp_path),
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_API_AUTH_STRING": "marsrl:s3cret",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    log = tmp_path / "prefect.log"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    server, api, _ = start_prefect_server(tmp_path, {"PREFECT_SERVER_API_AUTH_STRING": "marsrl:s3cret"})
     try:
-        wait_http(f"{api}/health", server, 120, accept=(200, 401))
         basic = lambda text: {"Authorization": "Basic " + base64.b64encode(text.encode()).decode()}  # noqa: E731
         assert httpx.post(f"{api}/flows/filter", json={}).status_code == 401
         assert httpx.post(f"{api}/flows/filter", json={}, headers=basic("marsrl:wrong")).status_code == 401
