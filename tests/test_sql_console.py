@@ -17,12 +17,14 @@ from marsrl_core.store import Rejection, RewardRow, SampleRow, SegmentRow, Segme
 from marsrl_core.store.schema import TABLES, VIEWS
 
 RUN = "run-a"
+CATALOGS = ("sqlite", "postgres")  # the read-only console on a SQLite and a PostgreSQL catalog (conftest)
 
 
 @pytest.fixture
-def lake(tmp_path):
-    """A store with rows in every table, compacted: its rows are read from Parquet files."""
-    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+def lake(store_paths):
+    """A store with rows in every table, compacted: its rows are read from Parquet files; the `--set`
+    options that point `marsrl` at it."""
+    store = SegmentStore(*store_paths)
     store.create_run(RUN, {"seed": 0})
     store.add_problems(RUN, [Problem(f"p{i}", "1+1", "2") for i in range(3)])
     for i in range(3):
@@ -39,13 +41,13 @@ def lake(tmp_path):
     store.reject(RUN, [Rejection("train.jsonl", "line 3", "missing field 'query'")])
     store.compact(retention_s=0)
     store.close()
-    assert list((tmp_path / "data").rglob("*.parquet"))
-    return ["--set", f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", "--set", f"store.data_path={tmp_path}/data"]
+    assert list(Path(store_paths[1]).rglob("*.parquet"))
+    return ["--set", f"store.catalog_url={store_paths[0]}", "--set", f"store.data_path={store_paths[1]}"]
 
 
-def _state(tmp_path: Path, where: list[str]) -> tuple:
+def _state(tmp_path: Path, store_paths: tuple[str, str]) -> tuple:
     """What a write would change: the files of the data path, the catalog's snapshots, the row counts."""
-    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data", create=False, read_only=True)
+    store = SegmentStore(*store_paths, create=False, read_only=True)
     files = sorted(str(p) for p in (tmp_path / "data").rglob("*"))
     snapshots = store.query("SELECT list(snapshot_id ORDER BY snapshot_id) AS s FROM ducklake_snapshots('lake')")
     counts = [store.count(table) for table in TABLES]
@@ -71,7 +73,9 @@ def test_every_table_and_view_reads_from_parquet_and_aggregates_count_right(lake
     assert "│ solver │ 3 │" in capsys.readouterr().out
 
 
-def test_files_outside_the_data_path_and_every_write_are_refused_with_the_store_unchanged(lake, tmp_path, capsys):
+def test_files_outside_the_data_path_and_every_write_are_refused_with_the_store_unchanged(
+    lake, store_paths, tmp_path, capsys
+):
     data = f"{tmp_path}/data"
     inside = f"SELECT count(*) AS n FROM read_parquet('{data}/**/*.parquet')"
     assert main(["sql", *lake, "--format", "csv", inside]) == 0
@@ -87,7 +91,7 @@ def test_files_outside_the_data_path_and_every_write_are_refused_with_the_store_
         assert main(["sql", *lake, sql]) == 2, sql
         err = capsys.readouterr().err
         assert "reads only its data path" in err and "Cannot access file" in err and len(err.splitlines()) == 1, err
-    before = _state(tmp_path, lake)
+    before = _state(tmp_path, store_paths)
     writes = [
         "INSERT INTO samples SELECT * FROM samples",
         "UPDATE rewards SET reward = 0",
@@ -125,7 +129,7 @@ def test_files_outside_the_data_path_and_every_write_are_refused_with_the_store_
         assert main(["sql", *lake, sql]) == 2, sql
         err = capsys.readouterr().err
         assert "read-only" in err and len(err.strip().splitlines()) == 1, (sql, err)
-    assert _state(tmp_path, lake) == before
+    assert _state(tmp_path, store_paths) == before
 
 
 def test_results_pipe_as_csv_json_and_markdown(lake, capsys):
@@ -153,7 +157,7 @@ def test_results_pipe_as_csv_json_and_markdown(lake, capsys):
     assert "invalid choice: 'xml'" in capsys.readouterr().err
 
 
-def test_check_prints_every_invariant_and_exits_1_on_a_duplicated_segment(lake, tmp_path, capsys):
+def test_check_prints_every_invariant_and_exits_1_on_a_duplicated_segment(lake, store_paths, capsys):
     from marsrl_core.store.invariants import INVARIANTS
 
     assert main(["check", *lake, RUN]) == 0
@@ -163,7 +167,7 @@ def test_check_prints_every_invariant_and_exits_1_on_a_duplicated_segment(lake, 
     assert "no such run" in capsys.readouterr().err
     # A second row for a stored (sample_id, segment_index), written past the store's own key check, as a
     # writer without it would.
-    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    store = SegmentStore(*store_paths)
     store._transaction(
         lambda con: con.execute("INSERT INTO lake.segments SELECT * FROM lake.segments WHERE sample_id = 's1'")
     )
