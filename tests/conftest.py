@@ -58,6 +58,29 @@ def postgres_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible endpoint for the session: moto's standalone server on a free port."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from tests.servers import free_port, stop_process, wait_http
+
+    binary = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
+    if not Path(binary).exists():
+        pytest.skip("no moto_server (the dev extra's moto[server]): the data-on-S3 leg needs an S3 endpoint")
+    port = free_port()
+    server = subprocess.Popen(
+        [binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/moto-api/", server, 60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(server)
+
+
 @pytest.fixture
 def prefect_server(tmp_path):
     """A real Prefect server for the test; yields its API URL and the environment that points a process
@@ -88,10 +111,25 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture
 def store_paths(tmp_path, catalog_kind, request):
     """(catalog URL, data path) of a new store: a SQLite file, or a fresh database on the session's
-    PostgreSQL server."""
+    PostgreSQL server; with "postgres+s3" the data goes to a fresh bucket of the session's S3 endpoint
+    (the cluster shape), its credentials in the environment as a deployment sets them."""
+    if catalog_kind == "sqlite":
+        return f"sqlite:{tmp_path}/lake.sqlite", str(tmp_path / "data")
+    catalog = "postgres:" + request.getfixturevalue("postgres_server").new_database()
     if catalog_kind == "postgres":
-        return "postgres:" + request.getfixturevalue("postgres_server").new_database(), str(tmp_path / "data")
-    return f"sqlite:{tmp_path}/lake.sqlite", str(tmp_path / "data")
+        return catalog, str(tmp_path / "data")
+    import uuid
+
+    import boto3
+
+    endpoint = request.getfixturevalue("s3_server")
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"), ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    bucket = f"lake-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return catalog, f"s3://{bucket}/data/"
 
 
 @pytest.fixture
