@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from marsrl_core.agents.outcomes import Outcome, OutcomeChecker, check_outcome
+from marsrl_core.agents.outcomes import OutcomeChecker
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.reasoning import run_vc_loop
 from marsrl_core.agents.rewards import Judgement, judge_solution
@@ -69,10 +69,6 @@ class EvalReport:
         return out
 
 
-def _check_here(items: list[tuple[Problem, str]]) -> list[Outcome]:
-    return [check_outcome(problem, text) for problem, text in items]
-
-
 def evaluate(
     generator: TextGenerator | dict[str, TextGenerator],
     roles: Roles,
@@ -100,7 +96,7 @@ def evaluate(
         skipped_prompts.extend((role, pairs[r][0].problem_id, o.prompt_tokens) for r, o in zip(rows, outs) if o.skipped)
         return {r: o for r, o in zip(rows, outs) if not o.skipped}
 
-    check = checker.check_many if checker is not None else _check_here
+    check = (checker or OutcomeChecker(workers=0)).check_many  # no checker: in this thread
 
     def judged(completions: dict[int, Any]) -> dict[int, Judgement]:
         """Solver or Corrector completions judged against their problems (the checks side by side)."""

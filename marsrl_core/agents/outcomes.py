@@ -86,10 +86,10 @@ def check_outcome(problem: Problem, text: str, sandbox_limits: SandboxLimits = S
         if problem.tests is None:
             raise ValueError(f"problem {problem.problem_id!r}: a code problem needs tests")
         result = check_program(_code_sandbox(sandbox_limits), text, problem.tests)
-        first = result.program.strip().splitlines()[0][:200] if result.program and result.program.strip() else None
         if result.program is None:
             return Outcome(False, "no_answer", None)
-        return Outcome(result.correct, "ok" if result.correct else result.reason[:300], first)
+        first = (result.program.strip().splitlines() or [None])[0]
+        return Outcome(result.correct, "ok" if result.correct else result.reason[:300], first and first[:200])
     if problem.verifier != "math":
         raise ValueError(f"problem {problem.problem_id!r}: verifier={problem.verifier!r}; expected one of {VERIFIERS}")
     answer = parse_answer(text)

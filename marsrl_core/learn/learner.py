@@ -208,12 +208,13 @@ class Learner(LearnerVersions):
         reset_peak_memory(self.device)
         with timed("learner.forward_backward"):
             metrics = self._accumulate_gradients(per_agent)
+        trained = sorted({self.policy_name(a) for a in per_agent})
         with timed("learner.optimizer"):
-            nonfinite = self._clip(per_agent, metrics)
+            nonfinite = self._clip(trained, per_agent, metrics)
         if not nonfinite:
             self.wait_for_durable()  # a background durable write reads the tensors this update changes
             with timed("learner.optimizer"):
-                for name in sorted({self.policy_name(a) for a in per_agent}):
+                for name in trained:
                     self.optimizers[name].step()
                     self.schedulers[name].step()
                     self._check_finite(name)
@@ -221,12 +222,14 @@ class Learner(LearnerVersions):
             opt.zero_grad(set_to_none=True)
         return metrics, nonfinite
 
-    def _clip(self, per_agent: dict[str, list[TrainItem]], metrics: dict[str, dict[str, float]]) -> bool:
-        """Clip each trained policy's gradients; whether a loss or a gradient norm is non-finite (then
+    def _clip(
+        self, trained: list[str], per_agent: dict[str, list[TrainItem]], metrics: dict[str, dict[str, float]]
+    ) -> bool:
+        """Clip the `trained` policies' gradients; whether a loss or a gradient norm is non-finite (then
         no policy is updated)."""
         nonfinite = not all(math.isfinite(m["loss"]) for m in metrics.values())
         if not nonfinite:
-            for name in sorted({self.policy_name(a) for a in per_agent}):
+            for name in trained:
                 norm = self._clip_gradients(name)
                 for agent in per_agent:
                     if self.policy_name(agent) == name:
