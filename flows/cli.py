@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,8 +54,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     core_cli.console.print(f"run [bold]{result['run_id']}[/bold]: {result['learner_steps']} learner steps")
     if reports:
         print_report(core_cli.console, reports)
-    summary = train_summary(result, cfg.seed, time.perf_counter() - start)
-    if args.results and not finished:  # a finished run's figures were written when it finished
+    # A finished run's figures are its stored evaluations; this command trained nothing, so no wall clock.
+    summary = train_summary(result, cfg.seed, math.nan if finished else time.perf_counter() - start)
+    if args.results:  # written whenever the report is printed, a finished run's too
         _write_json(Path(args.results), summary)
         core_cli.console.print(f"figures written to {args.results}")
     return 0

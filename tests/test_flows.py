@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -510,7 +511,11 @@ def test_marsrl_train_command_prints_the_before_after_table_and_is_quiet_without
     out, err = capsys.readouterr().out, terminal.getvalue()
     assert "had finished" in out and "Solver accuracy" in out
     assert "Finished in state" in err  # -v: Prefect's own lines too
-    assert counts() == before and not again.exists()
+    assert counts() == before
+    # Its figures are written as the report printed them: the stored evaluations, no wall clock measured.
+    refigured = json.loads(again.read_text())
+    assert refigured["solver_acc_after"] == figures["solver_acc_after"] and refigured["learner_steps"] == 1
+    assert math.isnan(refigured["wall_clock_s"])
 
 
 def test_a_fresh_marsrl_process_is_quiet_without_v_and_loses_no_log_line_at_exit(tmp_path):
