@@ -68,7 +68,7 @@ def learner_flow(
     # One process retries a failed step with a learner rebuilt from the last commit; with several ranks the
     # others are inside the failed step's collectives, so the learner fails and is resumed as a whole.
     retries = {"retries": 0} if rt.learner(config, run_id).ranks is not None else {}
-    idle_since, finished, wait_s = time.monotonic(), False, poll_s
+    idle_since, finished, wait_s, idle_out = time.monotonic(), False, poll_s, False
     while step < budget and not rt.interrupted(run_id):
         finished = store.has_event(run_id, events.ROLLOUTS_FINISHED)
         groups = work.ready_groups(config, run_id, flush=finished)
@@ -84,7 +84,10 @@ def learner_flow(
             if config.store.compact_every_steps and step % config.store.compact_every_steps == 0:
                 with timed("learner.compact"):
                     compact(config)  # keeps the next polls' file lists short; readers keep their files (retention)
-        elif finished or time.monotonic() - idle_since > idle_timeout_s:
+        elif finished:
+            break
+        elif time.monotonic() - idle_since > idle_timeout_s:
+            idle_out = True
             break
         else:  # idle: back off, so a learner waiting for rollouts queries the store less often
             with timed("learner.idle"):
@@ -93,7 +96,12 @@ def learner_flow(
     if rt.interrupted(run_id):  # no checkpoint upload either: a SIGKILL may follow the SIGTERM soon
         say(f"learner stopped at step {step} of {budget}: its process is stopping")
         return step
-    if finished and step < budget:
+    if idle_out and idle_timeout_s > 0:  # 0: the synchronous baseline's learner, called after each batch
+        say(
+            f"learner stopped at step {step} of {budget}: no complete group arrived for {idle_timeout_s:g} s "
+            "(its idle timeout) and the rollouts have not finished; run it again to continue"
+        )
+    elif finished and step < budget:
         say(
             f"learner stopped at step {step} of {budget}: the rollouts finished and no complete group "
             "is left to train on"

@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
+from marsrl_core.config import AGENTS
 from marsrl_core.store import SegmentStore
 from tests.configs import assert_exactly_once, process_config_file
 
@@ -71,17 +73,28 @@ def test_rollout_and_learner_processes_meet_only_through_the_store(tmp_path, sto
     assert max(versions) >= 1
 
 
+def _start(command, env, crash=None):
+    """`command` as a process with `env` (its output kept), SIGKILLed at crash point `crash` if given."""
+    env = {"PREFECT_LOGGING_LEVEL": "WARNING", **env}
+    env.pop("MARSRL_CRASH_AT", None)
+    if crash:
+        env["MARSRL_CRASH_AT"] = crash
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("catalog_kind", ["postgres"])
 def test_split_processes_on_postgres_survive_sigkills_of_each(tmp_path, store_paths, prefect_server):
     """The cluster shape on one machine: one Prefect server, one PostgreSQL catalog, `marsrl rollout`
-    and `marsrl learn` as separate processes. The learner is SIGKILLed half-way through writing its
-    second checkpoint and the rollout process before its fourth store append (after decoding a
-    segment); each is restarted. The run ends with exactly its step budget, nothing stored, rewarded or
-    trained twice, and every committed checkpoint loads."""
+    and `marsrl learn` as separate processes. The learner is SIGKILLed mid-step (its second update
+    applied in memory, not committed) and then mid-checkpoint (half-way through writing the first
+    checkpoint its successor writes); the rollout process before its fourth store append (a segment
+    decoded, not stored) and again before its second. Each is restarted as soon as it died, while the
+    other runs. The run ends with exactly its step budget, nothing stored, rewarded or trained twice,
+    and every committed checkpoint loads."""
     from transformers import AutoModelForCausalLM
 
-    api, prefect_env = prefect_server
+    _, prefect_env = prefect_server
     catalog, data = store_paths
     steps = 4
     learner_section = {"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": steps, "warmup_steps": 0}
@@ -94,28 +107,30 @@ def test_split_processes_on_postgres_survive_sigkills_of_each(tmp_path, store_pa
         store={"catalog_url": catalog, "data_path": data},
     )
     marsrl = [sys.executable, "-m", "flows.cli"]
-    learn = [*marsrl, "learn", "--config", str(path), "--run-id", "faults", "--idle-timeout", "240"]
-    rollout = [*marsrl, "rollout", "--config", str(path), "--run-id", "faults", "--finish"]
-
-    def start(command, crash=None):
-        env = {**prefect_env, "PREFECT_LOGGING_LEVEL": "WARNING"}
-        env.pop("MARSRL_CRASH_AT", None)
-        if crash:
-            env["MARSRL_CRASH_AT"] = crash
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-    learner = start(learn, "checkpoint.write:2")
-    roller = start(rollout, "rollout.append:4")
-    out, _ = roller.communicate(timeout=600)
-    assert roller.returncode == -9, out[-3000:]  # killed at its crash point
-    roller = start(rollout)  # restarted while the learner runs: it resumes the batches in flight
-    out, _ = learner.communicate(timeout=600)
-    assert learner.returncode == -9, out[-3000:]
-    learner = start(learn)  # the gate held the rollouts meanwhile; the new learner resumes from v1
-    out, _ = roller.communicate(timeout=600)
-    assert roller.returncode == 0, out[-3000:]
-    out, _ = learner.communicate(timeout=600)
-    assert learner.returncode == 0, out[-3000:]
+    commands = {
+        "learner": [*marsrl, "learn", "--config", str(path), "--run-id", "faults", "--idle-timeout", "240"],
+        "rollout": [*marsrl, "rollout", "--config", str(path), "--run-id", "faults", "--finish"],
+    }
+    crashes = {
+        "learner": ["learner.update:2", "checkpoint.write:1", None],
+        "rollout": ["rollout.append:4", "rollout.append:2", None],
+    }
+    running = {name: _start(commands[name], prefect_env, crashes[name].pop(0)) for name in commands}
+    kills, deadline = [], time.monotonic() + 900
+    while running:
+        assert time.monotonic() < deadline, f"still running: {sorted(running)}"
+        for name, proc in list(running.items()):
+            if proc.poll() is None:
+                continue
+            out = proc.stdout.read()
+            if proc.returncode == -9 and crashes[name]:  # killed at its crash point: restarted at once
+                kills.append(name)
+                running[name] = _start(commands[name], prefect_env, crashes[name].pop(0))
+            else:
+                assert proc.returncode == 0 and not crashes[name], f"{name} {proc.returncode}: {out[-3000:]}"
+                del running[name]
+        time.sleep(0.2)
+    assert sorted(kills) == ["learner", "learner", "rollout", "rollout"]
 
     store = SegmentStore(catalog, data)
     versions = store.query(
@@ -126,3 +141,43 @@ def test_split_processes_on_postgres_survive_sigkills_of_each(tmp_path, store_pa
     assert_exactly_once(store, "faults")
     for row in versions:
         AutoModelForCausalLM.from_pretrained(f"{row['checkpoint_uri']}/policy")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("catalog_kind", ["postgres"])
+def test_a_learner_waits_for_rollouts_and_trains_what_finished_rollouts_left(tmp_path, store_paths, prefect_server):
+    """A learner started while no rollout runs waits for groups and, at its idle timeout, says so and
+    ends; one started after the rollouts finished trains what they left and ends without waiting."""
+    _, prefect_env = prefect_server
+    prefect_env = {**prefect_env, "PREFECT_LOGGING_LEVEL": "INFO"}  # the learner's own lines (`say`) show
+    catalog, data = store_paths
+    learner_section = {"groups_per_step": 2, "downstream_groups_per_step": 2, "max_steps": 50, "warmup_steps": 0}
+    path = process_config_file(
+        tmp_path, "late", learner=learner_section, store={"catalog_url": catalog, "data_path": data}
+    )
+    marsrl = [sys.executable, "-m", "flows.cli"]
+    learn = [*marsrl, "learn", "--config", str(path), "--run-id", "late"]
+
+    early = _start([*learn, "--idle-timeout", "5"], prefect_env)
+    out, _ = early.communicate(timeout=300)
+    assert early.returncode == 0, out[-3000:]
+    assert "learner stopped at step 0 of 50: no complete group arrived for 5 s (its idle timeout)" in out
+    store = SegmentStore(catalog, data)
+    assert store.latest_version("late") is None
+
+    rollout = _start(
+        [*marsrl, "rollout", "--config", str(path), "--run-id", "late", "--batches", "0", "1", "--finish"], prefect_env
+    )
+    out, _ = rollout.communicate(timeout=600)
+    assert rollout.returncode == 0, out[-3000:]
+    start = time.monotonic()
+    late = _start([*learn, "--idle-timeout", "600"], prefect_env)
+    out, _ = late.communicate(timeout=600)
+    assert late.returncode == 0, out[-3000:]
+    assert time.monotonic() - start < 300  # it ended when nothing was left, not at its idle timeout
+    trained = store.latest_version("late")[0]
+    assert 1 <= trained < 50 and f"learner stopped at step {trained} of 50: the rollouts finished" in out
+    assert_exactly_once(store, "late")
+    # Every complete group the two batches left was trained on (or dropped as too old): none is left.
+    left = store.trainable_groups_by_agent("late", AGENTS, limit={a: 100 for a in AGENTS}, min_version=None)
+    assert not any(left.values()), left
