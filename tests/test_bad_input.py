@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -203,11 +204,15 @@ def test_a_resume_from_a_corrupt_checkpoint_fails_in_one_line_naming_the_file(tm
     first = subprocess.run([*marsrl, "--run-id", "c"], env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     (weights,) = (tmp_path / "out").rglob("v1/policy/model.safetensors")
-    weights.write_bytes(weights.read_bytes()[:1000])
-    resumed = subprocess.run([*marsrl, "--resume", "c"], env=env, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 2, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    errors = [line for line in resumed.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error: ") and str(weights) in errors[0], resumed.stderr
+    state = weights.parent.parent / "trainer_state.safetensors"
+    for cut in (state, weights):  # the trainer state (optimizer, RNG), then the weights
+        whole = cut.read_bytes()
+        cut.write_bytes(whole[:1000])
+        resumed = subprocess.run([*marsrl, "--resume", "c"], env=env, capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 2, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+        errors = [line for line in resumed.stderr.splitlines() if line.strip()]
+        assert len(errors) == 1 and errors[0].startswith("error: ") and str(cut) in errors[0], resumed.stderr
+        cut.write_bytes(whole)
 
 
 def test_evaluation_skips_and_records_a_prompt_that_does_not_fit_the_context(tmp_path, capsys):
@@ -229,3 +234,31 @@ def test_evaluation_skips_and_records_a_prompt_that_does_not_fit_the_context(tmp
     assert "solver prompt of" in row["reason"] and "exceeds the engine context of 256" in row["reason"]
     (recorded,) = store.query("SELECT metrics_json FROM evaluations").column("metrics_json").to_pylist()
     assert json.loads(recorded)["skipped_solver"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_learning_rate_that_blows_the_weights_up_stops_the_run_in_one_line(tmp_path):
+    """`--set learner.learning_rate=1e30`: the first step's update leaves weights of ~1e30. The run stops
+    there with one line naming the step, the parameter and the setting, exit 1, no traceback; no version
+    is published, the other processes of the run can see why (a `diverged` run event)."""
+    from marsrl_core.runtime.events import DIVERGED
+
+    # The tiny preset from its committed warm start: its first groups' rewards differ, so step 1 updates.
+    settings = {"learner.max_steps": 3, "data.num_batches": 3, "evaluation.num_problems": 2, "evaluation.k": 1}
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    command = [sys.executable, "-m", "flows.cli", "train", "--run-id", "lr", "--results", ""]
+    command += set_args(tmp_path, **settings, **{"learner.learning_rate": "1e30"})
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1, output[-3000:]
+    assert "Traceback" not in output and "| ERROR" not in output, output[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, run.stderr[-3000:]
+    assert re.match(
+        r"error: learner step 1: the update made policy's parameter \S+ \S+ in absolute value "
+        r"\(past learner.max_weight_abs = 10000\); .* look at learner.learning_rate \(1e\+30\)$",
+        errors[0],
+    ), errors[0]
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    assert store.latest_version("lr") is None
+    assert store.event_details("lr", DIVERGED) == [errors[0].removeprefix("error: ")]

@@ -30,6 +30,7 @@ import random
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -282,11 +283,15 @@ def load_checkpoint(
     folder = Path(folder)
     if not (folder / STATE_JSON).is_file() or not (folder / STATE_TENSORS).is_file():
         raise CheckpointError(f"checkpoint {str(folder)!r}: incomplete (no trainer state)")
-    try:
-        meta = json.loads((folder / STATE_JSON).read_text())
-        tensors = read_safetensors(folder / STATE_TENSORS)
-    except Exception as err:
-        raise CheckpointError(f"checkpoint {str(folder)!r}: trainer state cannot be read ({err})") from None
+
+    def read(file: str, parse: Callable[[Path], Any]) -> Any:
+        try:
+            return parse(folder / file)
+        except Exception as err:  # a file cut short is named, not just its folder
+            raise CheckpointError(f"checkpoint file {str(folder / file)!r} cannot be read ({err})") from None
+
+    meta = read(STATE_JSON, lambda path: json.loads(path.read_text()))
+    tensors = read(STATE_TENSORS, read_safetensors)
     if "optimizer_shards" in meta:
         raise CheckpointError(
             f"checkpoint {str(folder)!r}: a sharded checkpoint of an older layout (optimizer shards without "
