@@ -90,3 +90,20 @@ def test_a_code_problem_needs_tests_and_a_known_verifier():
         check_outcome(Problem("c", "x", "", verifier="lean"), "Answer: 1")
     with pytest.raises(ValueError, match="entry_point"):
         CodeTests(test="def check(f): pass")
+
+
+def test_a_math_check_outside_the_main_thread_logs_no_warning(caplog):
+    """math-verify warns ("Timeout is disabled ...") whenever it is given a timeout outside the main thread,
+    where its signals cannot work; checks in Prefect's threads pass none, so nothing meaningless shows."""
+    import logging
+    import threading
+
+    from marsrl_core.agents.outcomes import answers_match
+
+    results = []
+    with caplog.at_level(logging.DEBUG):
+        thread = threading.Thread(target=lambda: results.append(answers_match("\\frac{1}{2}", "0.5")))
+        thread.start()
+        thread.join()
+    assert results == [True]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -22,6 +22,7 @@ limit per test run.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import re
 import threading
@@ -55,6 +56,23 @@ class Outcome:
 _INTEGER = re.compile(r"^[+-]?\d+$")
 
 
+class _OwnTimeout(logging.Filter):
+    """Drops math-verify's "Timeout is disabled" warning for the checks `answers_match` makes without its
+    timeout (outside a main thread, where its signals cannot work; `OutcomeChecker` bounds them). Only
+    while such a check runs in the thread that logs: math-verify's other lines, and its warning for
+    other callers, pass."""
+
+    checking = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (getattr(self.checking, "on", False) and record.getMessage().startswith("Timeout is disabled"))
+
+
+_OWN_TIMEOUT = _OwnTimeout()
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_OWN_TIMEOUT)
+
+
 def _math_parse(text: str, timeout: int | None):
     wrapped = text if "$" in text or "\\boxed" in text else f"${text}$"
     return parse(wrapped, parsing_timeout=timeout)
@@ -70,10 +88,12 @@ def answers_match(predicted: str | None, reference: str) -> bool:
     if predicted == reference:
         return True
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold, target = _math_parse(reference, timeout), _math_parse(predicted, timeout)
-    if not gold or not target:
-        return False
-    return bool(verify(gold, target, timeout_seconds=timeout))
+    _OwnTimeout.checking.on = timeout is None
+    try:
+        gold, target = _math_parse(reference, timeout), _math_parse(predicted, timeout)
+        return bool(gold and target and verify(gold, target, timeout_seconds=timeout))
+    finally:
+        _OwnTimeout.checking.on = False
 
 
 _sandbox: Sandbox | None = None  # this process's sandbox (built on its first code check)
