@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -307,9 +307,15 @@ COMMANDS = {  # name: (handler, help, argument setup, (settings listed by --help
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from prefect.exceptions import FailedRun
+
     from flows.logs import set_verbosity
 
-    return core_cli.main(argv, COMMANDS, before=lambda args: set_verbosity(args.verbose))
+    try:
+        return core_cli.main(argv, COMMANDS, before=lambda args: set_verbosity(args.verbose))
+    except FailedRun as err:  # a run that stopped itself with one line (the policy diverged)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ rebuilt learner) still counts once. Every `store.compact_every_steps` versions i
 (a task), so a days-long run's polls do not slow down with the thousands of small files its commits
 write. It also stops before its next step when its process is stopping (the train flow's rollouts
 were stopped by a signal or failed), so a stopped `marsrl train` does not wait for the idle timeout.
+When the policy diverges (`PolicyDiverged`: a step's update, or a split run's rollouts, found weights or
+log-probs non-finite or absurd) it ends Failed with that one line and publishes nothing more.
 When it ends (not stopped) with `final`, its newest version is made durable (`Learner.make_durable`)
 if `learner.save_every` left it weights-only; a stopped one leaves that to the resume's rollback.
 """
@@ -19,6 +21,7 @@ import time
 from typing import Any
 
 from prefect import flow
+from prefect.states import Failed
 
 from flows.params import run_config
 from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
@@ -77,6 +80,8 @@ def learner_flow(
                 report = train_step.with_options(task_run_name=f"train-step-{step + 1}", **retries)(
                     config, run_id, groups, flush=finished
                 )
+            if report is not None and "diverged" in report:  # one line for the user, no traceback; nothing published
+                return Failed(message=report["diverged"])
             step = rt.learner(config, run_id).step
             if report is not None:
                 say(step_line(report))
@@ -86,6 +91,8 @@ def learner_flow(
                     compact(config)  # keeps the next polls' file lists short; readers keep their files (retention)
         elif finished:
             break
+        elif store.has_event(run_id, events.DIVERGED):  # the rollouts stopped the run (a split run's)
+            return Failed(message=store.event_details(run_id, events.DIVERGED)[0])
         elif time.monotonic() - idle_since > idle_timeout_s:
             idle_out = True
             break

@@ -21,7 +21,8 @@ server's SQLite, concurrent writes conflict and the client retries the losing re
 When the run's learner has its steps (`stop`), the problems not yet admitted are dropped and the
 batches in flight end with what they have. When the calling flow stops (a signal, Ctrl-C, a batch
 that failed), the decode loop stops at its next stage boundary (`Runtime.interrupt`): a stop takes
-one stage, and a resume continues from the stored segments.
+one stage, and a resume continues from the stored segments. A decode that finds the policy diverged
+(`PolicyDiverged`) ends the batches in flight Failed with that one line.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from prefect import flow
+from prefect.exceptions import FailedRun
+from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.params import run_config
@@ -62,14 +65,19 @@ def rollout_flow(
     group's end. Returns the turns' samples, finished samples and tokens."""
     config = run_config(config, overrides)
     record_batch(config, run_id, batch_index)
-    work.start_batch(config, run_id, batch_index)
     turns = []
-    for turn in range(config.rollout.max_turns):
-        if not work.turn_starts(config, run_id, batch_index, turn):
-            break  # no problem of the batch reached this turn, so none reaches a later one
-        task = rollout_turn.with_options(name=f"{agent_of_turn(turn)}-turn{turn}")
-        turns.append(task.submit(config, run_id, batch_index, turn))
+    try:
+        work.start_batch(config, run_id, batch_index)
+        for turn in range(config.rollout.max_turns):
+            if not work.turn_starts(config, run_id, batch_index, turn):
+                break  # no problem of the batch reached this turn, so none reaches a later one
+            task = rollout_turn.with_options(name=f"{agent_of_turn(turn)}-turn{turn}")
+            turns.append(task.submit(config, run_id, batch_index, turn))
+    except events.PolicyDiverged as err:  # the decode loop ended on it: one line, no traceback
+        return Failed(message=str(err))
     results = [future.result() for future in turns]  # raises if a turn failed
+    if diverged := [r["diverged"] for r in results if "diverged" in r]:
+        return Failed(message=diverged[0])
     work.end_batch(config, run_id, batch_index)
     return results
 
@@ -140,12 +148,16 @@ def rollouts_flow(
     def stop() -> bool:
         latest = store.latest_version(run_id)
         learned = latest is not None and latest[0] >= config.learner.max_steps
-        return learned or store.has_event(run_id, events.STOP_REQUESTED)
+        return learned or store.has_event(run_id, events.STOP_REQUESTED) or store.has_event(run_id, events.DIVERGED)
 
     try:
         done = run_batches(config, run_id, todo, stop=stop)
+    except FailedRun as err:  # a batch found the policy diverged: one line, no traceback
+        return Failed(message=str(err))
     finally:
         runtime().end_checker(run_id)  # the outcome checks' worker processes end with the rollouts
+    if diverged := store.event_details(run_id, events.DIVERGED):  # the learner stopped the run
+        return Failed(message=diverged[0])
     if finish:
         store.mark(run_id, events.ROLLOUTS_FINISHED)
     return done

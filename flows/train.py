@@ -11,7 +11,8 @@ evaluation already recorded is not repeated, finished batches are skipped, an un
 from its stored samples, and the learner from its last committed version. A run whose learner has all
 its steps decodes and trains nothing more (`already_finished` in the result); only a missing
 evaluation after training is made. Stopped (SIGTERM, Ctrl-C) or failed, it stops its rollouts at
-their next stage and its learner before its next step."""
+their next stage and its learner before its next step. When the policy diverges (`PolicyDiverged`)
+it ends Failed with that one line, having published nothing non-finite."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import FailedRun
 from prefect.settings import get_current_settings
+from prefect.states import Failed
 
 from flows.evaluate import artifact_key, evaluate_flow
 from flows.learner import learner_flow
@@ -67,6 +70,9 @@ def train_flow(
     rt.tracker(config, run_id)  # the MLflow run (a resumed run's own) starts before the evaluation it records
     try:
         result = _train(config, run_id, evaluate_before, evaluate_after)
+    except FailedRun as err:  # the policy diverged: the run ends Failed with its one line, no traceback
+        rt.end_tracker(run_id, "FAILED")
+        return Failed(message=str(err))
     except BaseException as err:  # a failure, or a stop (a signal, Ctrl-C): the MLflow run ends so too
         rt.end_tracker(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
         raise
@@ -169,6 +175,8 @@ def _train_beside_learner_process(config: MarsRLConfig, run_id: str, pending: li
         if learner.poll() in (None, 0) and not store.has_event(run_id, events.ROLLOUTS_FINISHED):
             store.mark(run_id, events.ROLLOUTS_FINISHED)
         if code := learner.wait():
+            if diverged := store.event_details(run_id, events.DIVERGED):
+                raise FailedRun(diverged[0])  # the learner said why in one line: so does this run
             raise RuntimeError(
                 f"run {run_id}: the learner process ({config.learner.nproc} ranks) exited with status {code} "
                 f"(its output is above); `marsrl train --resume {run_id}` continues from its last commit"

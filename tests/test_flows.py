@@ -140,6 +140,13 @@ def test_rollouts_flow_stops_before_the_next_batch_when_asked(tmp_path):
     store.mark("s1", events.STOP_REQUESTED)
     assert rollouts_flow(cfg, "s1", [1, 2], finish=True) == {"batches": 0, "samples": 0}
     assert store.count("segments", "s1") == decoded and store.has_event("s1", ROLLOUTS_FINISHED)
+    # A learner that found the policy diverged stops the rollouts too: Failed with its line, not finished.
+    from prefect.exceptions import FailedRun
+
+    store.mark("s2", events.DIVERGED, "learner step 3: the update made policy's parameter w non-finite")
+    with pytest.raises(FailedRun, match="^learner step 3: the update made policy's parameter w non-finite$"):
+        rollouts_flow(cfg, "s2", [0, 1], finish=True)
+    assert store.count("segments", "s2") == 0 and not store.has_event("s2", ROLLOUTS_FINISHED)
 
 
 def test_run_batches_leaves_nothing_per_batch_in_the_calling_flow(tmp_path):
@@ -701,3 +708,47 @@ def test_a_learner_process_gets_the_prefect_api_only_where_one_is_configured():
         assert learner_prefect_env() == {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         assert learner_prefect_env() == {}
+
+
+def test_non_finite_rollout_log_probs_stop_the_run_in_one_line(tmp_path, monkeypatch, capsys, terminal):
+    """An engine whose log-probs come back non-finite (as fp16 logits that overflow would give; here a
+    NaN put into the third stage's first segment) stops the run: `marsrl train` exits 1 with one line
+    naming the agent, the policy version and the settings, and no traceback; nothing of that stage is
+    stored, what was stored before it is whole, and the run records why."""
+    import dataclasses
+
+    from flows.cli import main
+    from marsrl_core.config import config_to_yaml
+    from marsrl_core.rollout import scheduler
+    from marsrl_core.runtime.events import DIVERGED
+    from marsrl_core.store import SegmentStore
+    from tests.configs import assert_exactly_once
+
+    real, calls = scheduler.decode_segment, []
+
+    def overflowing(*args, **kwargs):
+        segments = real(*args, **kwargs)
+        calls.append(len(segments))
+        if len(calls) == 3:
+            segments[0] = dataclasses.replace(segments[0], logprobs=[math.nan] * len(segments[0].logprobs))
+        return segments
+
+    monkeypatch.setattr(scheduler, "decode_segment", overflowing)
+    cfg = small_config(tmp_path, **{"data.num_batches": 2, "learner.max_steps": 2})
+    path = tmp_path / "nan.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert main(["train", "--config", str(path), "--run-id", "nan", "--results", ""]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.match(
+        r"error: rollout: a (solver|verifier|corrector) output decoded under policy version 0 has non-finite "
+        r"log-probs, .* "
+        r"look at learner.learning_rate and learner.max_weight_abs$",
+        errors[0],
+    ), err
+    assert "Traceback" not in err + terminal.getvalue()
+    store = SegmentStore.from_config(cfg.store)
+    assert store.event_details("nan", DIVERGED) == [errors[0].removeprefix("error: ")]
+    # Two stages stored; of the third nothing, and no stage after it.
+    assert len(calls) == 3 and store.count("segments", "nan") == sum(calls[:2])
+    assert_exactly_once(store, "nan")

@@ -484,7 +484,7 @@ def test_a_non_finite_gradient_skips_the_update_and_publishes_the_weights_as_the
 def test_an_update_that_makes_a_parameter_non_finite_is_never_published(folder, tmp_path):
     """An optimizer step that overflows a parameter (torch refuses a learning rate past float32's range,
     so a post-step hook stands in for the overflow) fails the step before anything is written."""
-    from marsrl_core.learn.learner import LearnerError
+    from marsrl_core.runtime.events import PolicyDiverged
 
     cfg = _cfg(tmp_path)
     store = SegmentStore.from_config(cfg.store)
@@ -492,10 +492,34 @@ def test_an_update_that_makes_a_parameter_non_finite_is_never_published(folder, 
     param = next(learner.model_for("solver").parameters())
     learner.optimizers["policy"].register_step_post_hook(lambda *_: param.data.view(-1)[0].fill_(float("inf")))
     groups = sample_groups(engine, store, RUN, "solver", "S|", groups=2, size=4, reward_fn=digit_fraction)
-    with pytest.raises(LearnerError, match=r"learner step 1: the update made policy's parameter \S+ non-finite"):
+    with pytest.raises(PolicyDiverged, match=r"learner step 1: the update made policy's parameter \S+ non-finite"):
         learner.train_step(groups)
     assert store.latest_version(RUN) is None and len(store.trainable_groups(RUN, "solver")) == 2
     assert not (tmp_path / f"ckpt-{RUN}").exists() or not any((tmp_path / f"ckpt-{RUN}").iterdir())
+
+
+@pytest.mark.parametrize("bound", [1e4, "null"])
+def test_an_update_that_blows_the_weights_up_stops_before_it_is_published(folder, tmp_path, bound):
+    """A learning rate of 1e30 leaves the weights finite but ~1e30 after one AdamW step: past
+    `learner.max_weight_abs` the step stops the run in one line naming the step, the parameter and the
+    learning rate, and nothing is published; with no bound the same step is published."""
+    from marsrl_core.runtime.events import PolicyDiverged
+
+    cfg = _cfg(tmp_path, learning_rate=1e30, max_weight_abs=bound)
+    store = SegmentStore.from_config(cfg.store)
+    learner, engine = _learner(cfg, store, folder, tmp_path)
+    groups = sample_groups(engine, store, RUN, "solver", "S|", groups=2, size=4, reward_fn=digit_fraction)
+    if bound == "null":  # no bound: only non-finite weights stop a run
+        learner.train_step(groups)
+        assert store.latest_version(RUN)[0] == 1
+        return
+    message = (
+        r"learner step 1: the update made policy's parameter \S+ \S+ in absolute value "
+        r"\(past learner.max_weight_abs = 10000\); .* learner.learning_rate \(1e\+30\)$"
+    )
+    with pytest.raises(PolicyDiverged, match=message):
+        learner.train_step(groups)
+    assert store.latest_version(RUN) is None and len(store.trainable_groups(RUN, "solver")) == 2
 
 
 def test_past_the_staleness_bound_correct_trains_stale_groups_with_decoupled_ppo(folder, tmp_path):

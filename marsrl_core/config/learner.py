@@ -24,6 +24,14 @@ class LearnerConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    max_weight_abs: float | None = Field(
+        1e4,
+        gt=0,
+        description="A step whose update leaves a parameter non-finite or larger than this in absolute value "
+        "stops the run before that version is published, in one line naming the step and the parameter (a "
+        "learning rate far too large shows here, before a rollout decodes with such weights). None: only "
+        "non-finite parameters stop it.",
+    )
     beta: float = Field(0.0, ge=0, description="KL coefficient to the reference model (0 disables, as TRL's default).")
     epsilon: float = Field(0.2, gt=0, description="PPO clip: lower bound of the ratio is 1 - epsilon.")
     epsilon_high: float = Field(

@@ -9,8 +9,8 @@ One `train_step(groups)`:
    as `agent_weighting` says);
 4. clips gradients and steps the optimizer of each policy that received gradients. A non-finite loss
    or gradient norm skips the whole update (`skipped_nonfinite`): its samples are consumed and its
-   version holds the weights as they were. An update that makes a parameter non-finite fails the step
-   (`LearnerError`), which is never published;
+   version holds the weights as they were. An update that makes a parameter non-finite or larger than
+   `learner.max_weight_abs` stops the run (`PolicyDiverged`): that step is never published;
 5. publishes version `step` (`versions.py`): its folder is written (temporary folder, then renamed),
    then the consumptions, the version row and the metrics commit in one store transaction.
 
@@ -65,12 +65,9 @@ from marsrl_core.learn.checkpoint_folders import SHARED_POLICY, policy_names
 from marsrl_core.learn.models import load_model, shard_and_fill
 from marsrl_core.learn.scoring import TokenScorer
 from marsrl_core.learn.versions import DURABLE, DurableWriter, LearnerVersions
+from marsrl_core.runtime.events import PolicyDiverged
 from marsrl_core.store import SegmentStore, TrainableGroup
 from marsrl_core.timings import timed
-
-
-class LearnerError(RuntimeError):
-    """A learner step that must not be published (its update made a parameter non-finite)."""
 
 
 @dataclass
@@ -217,7 +214,7 @@ class Learner(LearnerVersions):
                 for name in trained:
                     self.optimizers[name].step()
                     self.schedulers[name].step()
-                    self._check_finite(name)
+                    self._check_weights(name)
         for opt in self.optimizers.values():  # the gradients are spent: their memory is free for the checkpoint
             opt.zero_grad(set_to_none=True)
         return metrics, nonfinite
@@ -294,14 +291,29 @@ class Learner(LearnerVersions):
         norm = torch.nn.utils.clip_grad_norm_(self.models[name].parameters(), self.cfg.learner.max_grad_norm)
         return float(distributed.full(norm))
 
-    def _check_finite(self, name: str) -> None:
-        """After an update: a non-finite parameter fails the step, which is never published (the task's
-        retry rebuilds the learner from the last committed version). Every rank checks its shards."""
-        bad = [n for n, p in self.models[name].named_parameters() if not torch.isfinite(distributed.local(p)).all()]
-        if self.ranks is not None and distributed.any_over_ranks(bool(bad)) and not bad:
-            bad = ["(on another rank)"]
-        if bad:
-            raise LearnerError(
-                f"learner step {self.step + 1}: the update made {name}'s parameter {bad[0]} non-finite "
-                f"(learning rate {self.optimizers[name].param_groups[0]['lr']:g}); nothing was published"
+    def _check_weights(self, name: str) -> None:
+        """After an update: a parameter that is non-finite or past `learner.max_weight_abs` stops the run
+        (`PolicyDiverged`) before the step is published. Every rank checks its shards (one device sync
+        for all the per-parameter maxima)."""
+        named = [(n, distributed.local(p).detach()) for n, p in self.models[name].named_parameters()]
+        with torch.no_grad():
+            peaks = torch.stack(
+                [t.abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32) for _, t in named]
             )
+        bound = self.cfg.learner.max_weight_abs
+        bad = [(n, v) for (n, _), v in zip(named, peaks.tolist()) if not math.isfinite(v) or (bound and v > bound)]
+        if self.ranks is not None and distributed.any_over_ranks(bool(bad)) and not bad:
+            bad = [("(on another rank)", None)]
+        if not bad:
+            return
+        param, peak = bad[0]
+        if peak is None:
+            what = f"non-finite or past learner.max_weight_abs = {bound}"
+        elif math.isfinite(peak):
+            what = f"{peak:.3g} in absolute value (past learner.max_weight_abs = {bound:g})"
+        else:
+            what = "non-finite"
+        raise PolicyDiverged(
+            f"learner step {self.step + 1}: the update made {name}'s parameter {param} {what}; the run stops and "
+            f"this step was not published: look at learner.learning_rate ({self.cfg.learner.learning_rate:g})"
+        )

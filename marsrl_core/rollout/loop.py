@@ -12,9 +12,9 @@ loop waits between stages, from `idle_s` growing to half a second, instead of sp
 `stop_when()` says so (the run's learner has its steps) the problems not yet admitted are dropped, so
 the batches in flight end with what they have. A stage that fails (an engine or store error,
 `RolloutBehindStore`) is retried by a new scheduler resumed from the store (nothing stored is decoded
-again), up to `max_restarts` times in a row; then, or when `interrupted()` (the process is stopping),
-every waiter gets the error and the loop ends: the next `add_batch` is refused, and the process's
-runtime makes a new loop.
+again), up to `max_restarts` times in a row; then, at once when the policy diverged (`PolicyDiverged`),
+or when `interrupted()` (the process is stopping), every waiter gets the error and the loop ends: the
+next `add_batch` is refused, and the process's runtime makes a new loop.
 
 Deliberate simplification: the loop's stages run one after another in its thread; the engine is the
 only place work runs in parallel (vLLM's own scheduler, or a batched forward).
@@ -30,6 +30,7 @@ from typing import Any
 
 from marsrl_core.agents.problems import Problem
 from marsrl_core.rollout.samples import BatchProgress, RolloutInterrupted
+from marsrl_core.runtime.events import PolicyDiverged
 from marsrl_core.timings import timed
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,11 @@ class RolloutLoop:
     def ended(self) -> bool:
         return self._error is not None or self._closed
 
+    @property
+    def diverged(self) -> bool:
+        """Whether it ended on `PolicyDiverged` (its error goes to every later caller too)."""
+        return isinstance(self._error, PolicyDiverged)
+
     def close(self) -> None:
         """End the loop after its current stage (waited for); waiters get RolloutInterrupted."""
         with self._changed:
@@ -156,6 +162,8 @@ class RolloutLoop:
                         with timed("rollout.stage"):
                             report = scheduler.stage()
                         failures = 0
+                    except PolicyDiverged as err:  # the weights are unusable: a retry decodes with them again
+                        return self._end(err)
                     except Exception as err:  # noqa: BLE001  (every failure is retried from the store, then reported)
                         failures += 1
                         if failures > self.max_restarts:

@@ -42,6 +42,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from marsrl_core.agents.outcomes import OutcomeChecker
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.rewards import judge as judge_output
@@ -63,6 +65,7 @@ from marsrl_core.rollout.samples import (
 from marsrl_core.rollout.segments import decode_segment
 from marsrl_core.rollout.turns import batches_on_their_turn, has_next_turn, next_turn_inputs
 from marsrl_core.rollout.weights import WeightChannel
+from marsrl_core.runtime.events import PolicyDiverged
 from marsrl_core.store import Rejection, RewardRow, SegmentRow, Store
 from marsrl_core.timings import timed
 
@@ -284,6 +287,7 @@ class RolloutScheduler:
             report.decoded = len(active)
             with timed("rollout.decode"):
                 segments = decode_segment(self.engines, active, self.rc, self.seed)
+            _check_logprobs(segments, active)
             report.tokens += sum(len(segment.token_ids) for segment in segments)
             finished = [sample for sample in active if sample.finish]
             with timed("rollout.rewards"):
@@ -379,3 +383,15 @@ class RolloutScheduler:
         """Rebuild the state of the problems in `problems_by_id` (of batch `batch`) from the store
         (`resume.restore`); returns how many samples were restored."""
         return restore(self, problems_by_id, batch)
+
+
+def _check_logprobs(segments: list[SegmentRow], samples: list[Sample]) -> None:
+    """Non-finite log-probs from the engine mean the weights it decoded with are unusable: the run
+    stops (`PolicyDiverged`) before anything of the stage is stored."""
+    for segment, sample in zip(segments, samples):
+        if not np.isfinite(np.asarray(segment.logprobs, dtype=np.float64)).all():
+            raise PolicyDiverged(
+                f"rollout: a {sample.agent} output decoded under policy version {segment.policy_version} has "
+                "non-finite log-probs, so that version's weights are unusable; the run stops and nothing of this "
+                "stage was stored: look at learner.learning_rate and learner.max_weight_abs"
+            )

@@ -103,12 +103,13 @@ class Runtime:
 
     def rollout_loop(self, cfg: MarsRLConfig, run_id: str, make_scheduler: Any) -> RolloutLoop:
         """The run's decode loop in this process (`rollout/loop.py`), made with `make_scheduler` when it
-        has none or its last one ended (an interrupt, repeated failures). Kept per store and run: a run
-        id may recur in another store."""
+        has none or its last one ended (an interrupt, repeated failures). One that ended on
+        `PolicyDiverged` is kept, so later batches of the run get that error instead of decoding on,
+        until `clear_interrupt(run_id)`. Kept per store and run: a run id may recur in another store."""
         key = (cfg.store.catalog_url, cfg.store.data_path, run_id)
         with self._lock:
             loop = self._loops.get(key)
-            if loop is None or loop.ended:
+            if loop is None or (loop.ended and not loop.diverged):
                 interrupted = lambda: self.interrupted(run_id)  # noqa: E731
                 loop = self._loops[key] = RolloutLoop(make_scheduler, interrupted=interrupted)
             return loop
@@ -225,9 +226,12 @@ class Runtime:
         return run_id in self._interrupted
 
     def clear_interrupt(self, run_id: str) -> None:
-        """Forget an earlier `interrupt(run_id)`: called when the run's work starts in this process."""
+        """Forget an earlier `interrupt(run_id)` (and a decode loop that ended on `PolicyDiverged`): called
+        when the run's work starts in this process."""
         with self._lock:
             self._interrupted.discard(run_id)
+            for key in [k for k, loop in self._loops.items() if k[2] == run_id and loop.diverged]:
+                del self._loops[key]
 
     def close(self) -> None:
         """Close the stores (and their child processes), forget the learners that use them and end their

@@ -138,7 +138,11 @@ def turn_starts(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> 
 def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> dict[str, int]:
     """Wait until every group of turn `turn` of the batch has finished; its samples, finished samples
     and tokens. The decode loop does the decoding; this is the turn's span of it."""
-    progress = rollout_loop(cfg, run_id).wait(batch_index, lambda p: p.final(turn))
+    try:
+        progress = rollout_loop(cfg, run_id).wait(batch_index, lambda p: p.final(turn))
+    except events.PolicyDiverged as exc:  # the loop has ended: every process of the run stops
+        runtime().store(cfg).mark(run_id, events.DIVERGED, str(exc))
+        return {"diverged": str(exc)}
     return {"samples": progress.samples[turn], "finished": progress.finished[turn], "tokens": progress.tokens[turn]}
 
 
@@ -190,6 +194,10 @@ def train_step(
     try:
         with timed("learner.step"):
             report = learner.train_step(groups)
+    except events.PolicyDiverged as exc:  # not retried: the same groups and weights diverge again
+        rt.drop_learner(run_id)  # its in-memory update is not what the last commit holds
+        rt.store(cfg, lane="learner").mark(run_id, events.DIVERGED, str(exc))
+        return {"diverged": str(exc)}
     except BaseException as exc:
         # The update may have been applied in memory but not committed: drop this learner so a retry
         # rebuilds it from the last durable version (and its newer folders are cleaned up).

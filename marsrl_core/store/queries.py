@@ -62,6 +62,14 @@ class StoreQueries(StoreConnection):
         )
         return set(rows.column("event").to_pylist())
 
+    def event_details(self, run_id: str, event: str) -> list[str]:
+        """The details recorded with the run's `event` (empty when it was never recorded)."""
+        rows = self._read(
+            f"SELECT detail FROM {CATALOG}.run_events WHERE run_id = ? AND event = ?",
+            [run_id, event],
+        )
+        return rows.column("detail").to_pylist()
+
     def trainable_groups(self, run_id: str, agent: str, limit: int | None = None) -> list[TrainableGroup]:
         """Complete (every member rewarded), unconsumed groups of `agent`, oldest completion first."""
         return self.trainable_groups_by_agent(run_id, [agent], limit)[agent]
