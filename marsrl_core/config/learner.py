@@ -75,6 +75,15 @@ class LearnerConfig(_Section):
     )
     logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens per chunk when computing log-probs and entropy.")
     micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
+    padding_free: bool = Field(
+        False,
+        description="One row per micro-batch: its sequences concatenated, `position_ids` restarting at 0 for "
+        "each, attention confined to each sequence by transformers' packed-sequence path (FlashAttention-2's "
+        "variable-length kernel with model.attn_implementation=flash_attention_2; with sdpa or eager a "
+        "block-diagonal causal mask, exact, whose cost grows with the square of the row's tokens: keep "
+        "micro_batch_tokens small there). No padding token runs through the model (TRL's `padding_free`, "
+        "verl's `use_remove_padding`). Off: right-padded rows with an attention mask.",
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory on long samples."
     )

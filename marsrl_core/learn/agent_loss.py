@@ -128,7 +128,9 @@ def backward(
     batches = own + [[filler]] * max(0, min_batches - len(own))
     for index, batch in enumerate(batches):
         weight = float(index < len(own))
-        packed = PackedBatch.build([i.sample.prompt_tokens for i in batch], [i.sample.token_ids for i in batch], device)
+        packed = PackedBatch.build(
+            [i.sample.prompt_tokens for i in batch], [i.sample.token_ids for i in batch], device, lc.padding_free
+        )
         behaviour = pad_sequence([torch.as_tensor(i.sample.logprobs, dtype=torch.float32) for i in batch], True)
         token_mask = pad_sequence(
             [torch.full((n,), float(not i.masked) * weight) for n, i in zip(packed.lengths, batch)], True

@@ -1,6 +1,14 @@
 """The policy's forward for training: a causal LM's decoder and chunked log-probs as one module.
 
-`TokenScorer(model)(batch)` returns the log-prob and entropy of every response token of a packed
+A micro-batch (`PackedBatch.build`) is either right-padded rows with an attention mask, or, padding
+free, one row: the sequences concatenated, `position_ids` restarting at 0 for each and no attention
+mask, so transformers confines attention to each sequence itself (its packed-sequence path:
+FlashAttention-2's variable-length kernel with `flash_attention_2`; a block-diagonal causal mask with
+`sdpa` and `eager`, exact, but its mask and attention scores grow with the square of the row's tokens,
+where padding grows with the longest sequence times the rows). No padding token is run either way
+through the padding-free row.
+
+`TokenScorer(model)(batch)` returns the log-prob and entropy of every response token of a
 micro-batch, never materialising [tokens x vocabulary] logits (`algorithms.chunked_logprobs`). The
 output matrix is read by a method of the output module itself (`LOGPROBS_METHOD`), which FSDP2 treats
 as that module's forward (`distributed.shard` registers it): when the output module is an FSDP2 unit
@@ -23,17 +31,27 @@ from marsrl_core.learn.algorithms import chunked_logprobs
 
 @dataclass
 class PackedBatch:
-    """Sequences (prompt + response) right-padded into one batch, and where their responses are."""
+    """Sequences (prompt + response) in one micro-batch, and where their responses are: right-padded
+    rows with an attention mask, or one padding-free row with restarting `position_ids`."""
 
-    input_ids: torch.Tensor  # [B, W]
-    attention_mask: torch.Tensor  # [B, W]
+    input_ids: torch.Tensor  # [B, W], or [1, N] padding free
+    attention_mask: torch.Tensor | None  # [B, W]; None padding free
     positions: torch.Tensor  # [T]: flat index (row * W + column) of the hidden state predicting each response token
     targets: torch.Tensor  # [T]: the response tokens
-    lengths: list[int]  # response tokens per row
+    lengths: list[int]  # response tokens per sequence
+    position_ids: torch.Tensor | None = None  # [1, N] padding free: 0.. for each sequence
 
     @classmethod
-    def build(cls, prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray], device: torch.device):
+    def build(
+        cls,
+        prompts: Sequence[np.ndarray],
+        responses: Sequence[np.ndarray],
+        device: torch.device,
+        padding_free: bool = False,
+    ):
         seqs = [torch.as_tensor(np.concatenate([p, r])) for p, r in zip(prompts, responses)]
+        if padding_free:
+            return cls._one_row(seqs, [len(p) for p in prompts], responses, device)
         input_ids = pad_sequence(seqs, batch_first=True, padding_value=0)
         mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
         width = input_ids.shape[1]
@@ -46,6 +64,26 @@ class PackedBatch:
         targets = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in responses])
         return cls(
             input_ids.to(device), mask.to(device), positions.to(device), targets.to(device), [len(r) for r in responses]
+        )
+
+    @classmethod
+    def _one_row(cls, seqs: list[torch.Tensor], prompt_lengths: list[int], responses, device: torch.device):
+        starts = np.cumsum([0] + [len(s) for s in seqs[:-1]])
+        positions = torch.cat(
+            [
+                torch.arange(start + p - 1, start + p - 1 + len(r))
+                for start, p, r in zip(starts, prompt_lengths, responses)
+            ]
+        )
+        targets = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in responses])
+        position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        return cls(
+            torch.cat(seqs)[None].to(device),
+            None,
+            positions.to(device),
+            targets.to(device),
+            [len(r) for r in responses],
+            position_ids.to(device),
         )
 
 
@@ -66,7 +104,12 @@ class TokenScorer(torch.nn.Module):
 
     def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs [B, T_max] (right-padded) and the flat entropy [T] (a metric: no gradient)."""
-        hidden = self.model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        hidden = self.model.get_decoder()(  # no KV cache: a training forward; with one, transformers ignores packing
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
         flat = hidden.last_hidden_state.flatten(0, 1)[batch.positions]
         head = getattr(self.model.get_output_embeddings(), LOGPROBS_METHOD)
         logprobs, entropy = head(flat, batch.targets, self.chunk_tokens, self.temperature)

@@ -1,0 +1,124 @@
+"""Padding-free micro-batches (`learner.padding_free`): one row, `position_ids` restarting for each
+sequence, attention confined to each by transformers' packed-sequence path. Exactly what the padded
+rows give, for the tiny Llama and a random Qwen3, and through a learner step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from marsrl_core.config import load_config
+from marsrl_core.demo.tiny import build_tiny_model
+from marsrl_core.engines.hf import HFEngine
+from marsrl_core.learn.learner import Learner
+from marsrl_core.learn.scoring import PackedBatch, TokenScorer
+from marsrl_core.store import SegmentStore
+from tests.rollout_helpers import digit_fraction, sample_groups
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), max_position_embeddings=128, seed=0)
+
+
+def _sequences(seed: int = 0):
+    """Three prompts and responses of different lengths (one response a single token)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(5, 90, n) for n in (7, 3, 12)]
+    responses = [rng.integers(5, 90, n) for n in (5, 9, 1)]
+    return prompts, responses
+
+
+def _qwen3():
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def test_a_padding_free_row_holds_only_the_sequences_with_restarting_positions():
+    prompts, responses = _sequences()
+    batch = PackedBatch.build(prompts, responses, CPU, padding_free=True)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    assert batch.input_ids.shape == (1, sum(lengths)) and batch.attention_mask is None
+    assert batch.position_ids[0].tolist() == [i for n in lengths for i in range(n)]
+    # Each response token is predicted from the position just before it, in its own sequence.
+    row = batch.input_ids[0]
+    assert torch.equal(row[batch.positions + 1], batch.targets)
+    assert batch.lengths == [len(r) for r in responses]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_kind", ["tiny", "qwen3"])
+def test_padding_free_log_probs_equal_the_padded_ones_and_each_sequence_alone(folder, model_kind, attention):
+    model = AutoModelForCausalLM.from_pretrained(folder) if model_kind == "tiny" else _qwen3()
+    model.config._attn_implementation = attention
+    model.config.use_cache = False
+    scorer = TokenScorer(model, 4, 1.0)  # chunks smaller than a sequence: the chunking is exercised too
+    prompts, responses = _sequences()
+    with torch.no_grad():
+        padded, padded_entropy = scorer(PackedBatch.build(prompts, responses, CPU))
+        free, free_entropy = scorer(PackedBatch.build(prompts, responses, CPU, padding_free=True))
+        alone = [scorer(PackedBatch.build([p], [r], CPU))[0][0] for p, r in zip(prompts, responses)]
+    assert torch.allclose(free, padded, atol=1e-5) and torch.allclose(free_entropy, padded_entropy, atol=1e-5)
+    for row, single, r in zip(free, alone, responses):  # no attention across sequences of the row
+        assert torch.allclose(row[: len(r)], single, atol=1e-5)
+    # Without the restarting positions the row is one long sequence: the later ones attend to the earlier.
+    joined = PackedBatch.build(prompts, responses, CPU, padding_free=True)
+    joined.position_ids = torch.arange(joined.input_ids.shape[1])[None]
+    with torch.no_grad():
+        assert not torch.allclose(scorer(joined)[0], padded, atol=1e-3)
+
+
+def test_a_padding_free_learner_step_has_the_padded_losses_and_gradients(folder, tmp_path):
+    """The same stored groups of two agents through two learners, padded and padding free (micro-batches
+    small enough that each agent has several): the same losses and the same gradients. (Compared before
+    AdamW: its first step moves a weight by about the learning rate whatever the gradient's size, so a
+    gradient near zero that differs in its last bits may move its weight the other way.)"""
+    from marsrl_core.learn.agent_loss import train_items
+
+    overrides = [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", f"store.data_path={tmp_path}/data"]
+    overrides += ["rollout.temperature=1.0", "learner.micro_batch_tokens=40"]
+    engine = HFEngine.from_pretrained(folder)
+    store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
+    groups = []
+    for agent, prompt, tokens in (("solver", "S|", 12), ("verifier", "V|1+2|", 6)):
+        groups += sample_groups(
+            engine, store, "r", agent, prompt, groups=2, size=3, reward_fn=digit_fraction, max_tokens=tokens
+        )
+    samples = store.load_samples("r", [sid for g in groups for sid in g.sample_ids])
+    grads, losses = {}, {}
+    for free in (False, True):
+        cfg = load_config("tiny", None, overrides + [f"learner.padding_free={str(free).lower()}"])
+        learner = Learner(cfg, store, "r", folder, tmp_path / f"ckpt-{free}", engine.tokenizer)
+        per_agent, _ = train_items(groups, samples, cfg.learner)
+        seen = []  # what each forward of the decoder got: rows and whether it had an attention mask
+        decoder = learner.models["policy"].get_decoder()
+        hook = decoder.register_forward_pre_hook(
+            lambda _, args, kwargs, seen=seen: seen.append(
+                (kwargs["input_ids"].shape[0], kwargs["attention_mask"] is None)
+            ),
+            with_kwargs=True,
+        )
+        metrics = learner._accumulate_gradients(per_agent)
+        hook.remove()
+        assert len(seen) > 2 and all(rows == 1 and unmasked for rows, unmasked in seen) == free, seen
+        losses[free] = {agent: m["loss"] for agent, m in metrics.items()}
+        grads[free] = {n: p.grad.clone() for n, p in learner.models["policy"].named_parameters()}
+    assert losses[True].keys() == losses[False].keys() == {"solver", "verifier"}
+    for agent, loss in losses[False].items():
+        assert losses[True][agent] == pytest.approx(loss, abs=1e-6)
+    assert max(float(g.abs().max()) for g in grads[False].values()) > 1e-3  # a gradient worth comparing
+    for name, grad in grads[False].items():
+        assert torch.allclose(grads[True][name], grad, atol=1e-6, rtol=1e-4), name
