@@ -81,15 +81,17 @@ def test_padding_free_log_probs_equal_the_padded_ones_and_each_sequence_alone(fo
         assert not torch.allclose(scorer(joined)[0], padded, atol=1e-3)
 
 
-def test_a_padding_free_learner_step_has_the_padded_losses_and_gradients(folder, tmp_path):
-    """The same stored groups of two agents through two learners, padded and padding free (micro-batches
-    small enough that each agent has several): the same losses and the same gradients. (Compared before
-    AdamW: its first step moves a weight by about the learning rate whatever the gradient's size, so a
-    gradient near zero that differs in its last bits may move its weight the other way.)"""
+@pytest.mark.parametrize(("free", "budget"), [(True, 40), (False, 100_000), (True, 100_000)])
+def test_a_learner_step_has_the_same_losses_and_gradients_however_it_is_laid_out(folder, tmp_path, free, budget):
+    """The same stored groups of two agents through two learners: padded rows in micro-batches of 40
+    tokens (several per agent), against padding free and/or one micro-batch per agent. The same losses
+    and the same gradients: the layout and the cut change no number. (Compared before AdamW: its first
+    step moves a weight by about the learning rate whatever the gradient's size, so a gradient near zero
+    that differs in its last bits may move its weight the other way.)"""
     from marsrl_core.learn.agent_loss import train_items
 
     overrides = [f"store.catalog_url=sqlite:{tmp_path}/lake.sqlite", f"store.data_path={tmp_path}/data"]
-    overrides += ["rollout.temperature=1.0", "learner.micro_batch_tokens=40"]
+    overrides += ["rollout.temperature=1.0"]
     engine = HFEngine.from_pretrained(folder)
     store = SegmentStore(f"sqlite:{tmp_path}/lake.sqlite", f"{tmp_path}/data")
     groups = []
@@ -99,9 +101,10 @@ def test_a_padding_free_learner_step_has_the_padded_losses_and_gradients(folder,
         )
     samples = store.load_samples("r", [sid for g in groups for sid in g.sample_ids])
     grads, losses = {}, {}
-    for free in (False, True):
-        cfg = load_config("tiny", None, overrides + [f"learner.padding_free={str(free).lower()}"])
-        learner = Learner(cfg, store, "r", folder, tmp_path / f"ckpt-{free}", engine.tokenizer)
+    for variant, (padding_free, tokens) in {"base": (False, 40), "other": (free, budget)}.items():
+        layout = [f"learner.padding_free={str(padding_free).lower()}", f"learner.micro_batch_tokens={tokens}"]
+        cfg = load_config("tiny", None, overrides + layout)
+        learner = Learner(cfg, store, "r", folder, tmp_path / f"ckpt-{variant}", engine.tokenizer)
         per_agent, _ = train_items(groups, samples, cfg.learner)
         seen = []  # what each forward of the decoder got: rows and whether it had an attention mask
         decoder = learner.models["policy"].get_decoder()
@@ -113,12 +116,42 @@ def test_a_padding_free_learner_step_has_the_padded_losses_and_gradients(folder,
         )
         metrics = learner._accumulate_gradients(per_agent)
         hook.remove()
-        assert len(seen) > 2 and all(rows == 1 and unmasked for rows, unmasked in seen) == free, seen
-        losses[free] = {agent: m["loss"] for agent, m in metrics.items()}
-        grads[free] = {n: p.grad.clone() for n, p in learner.models["policy"].named_parameters()}
-    assert losses[True].keys() == losses[False].keys() == {"solver", "verifier"}
-    for agent, loss in losses[False].items():
-        assert losses[True][agent] == pytest.approx(loss, abs=1e-6)
-    assert max(float(g.abs().max()) for g in grads[False].values()) > 1e-3  # a gradient worth comparing
-    for name, grad in grads[False].items():
-        assert torch.allclose(grads[True][name], grad, atol=1e-6, rtol=1e-4), name
+        assert len(seen) == (2 if tokens > 1000 else len(seen)) > 1, seen  # one micro-batch per agent, or several
+        assert all(rows == 1 and unmasked for rows, unmasked in seen) == padding_free, seen
+        losses[variant] = {agent: m["loss"] for agent, m in metrics.items()}
+        grads[variant] = {n: p.grad.clone() for n, p in learner.models["policy"].named_parameters()}
+    assert losses["other"].keys() == losses["base"].keys() == {"solver", "verifier"}
+    for agent, loss in losses["base"].items():
+        assert losses["other"][agent] == pytest.approx(loss, abs=1e-6)
+    assert max(float(g.abs().max()) for g in grads["base"].values()) > 1e-3  # a gradient worth comparing
+    for name, grad in grads["base"].items():
+        assert torch.allclose(grads["other"][name], grad, atol=1e-6, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_micro_batches_are_as_few_as_fit_and_balanced_in_tokens(seed):
+    """64 log-normal lengths (median about an eighth of the longest), a budget of twice the longest:
+    every sample in exactly one micro-batch, none over the budget, as few micro-batches as the tokens
+    need, their tokens within 5% of the budget of each other (cut in arrival order, 1,899 to 10,727
+    apart on these seeds, with one micro-batch more on three of them); a sample over the budget alone."""
+    from types import SimpleNamespace
+
+    from marsrl_core.learn.agent_loss import pack
+
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.lognormal(np.log(1000), 0.9, 64).astype(int) + 1, 8000)
+    items = [
+        SimpleNamespace(sample=SimpleNamespace(prompt_tokens=np.zeros(n % 7), token_ids=np.zeros(n - n % 7)))
+        for n in lengths
+    ]
+    budget = 2 * int(lengths.max())
+    batches = pack(items, budget)
+    loads = [sum(len(i.sample.prompt_tokens) + len(i.sample.token_ids) for i in b) for b in batches]
+    assert sorted(id(i) for b in batches for i in b) == sorted(id(i) for i in items)
+    assert max(loads) <= budget and len(batches) == -(-int(lengths.sum()) // budget)
+    assert max(loads) - min(loads) <= 0.05 * budget
+    order = {id(item): k for k, item in enumerate(items)}
+    for b in batches:  # the samples keep their order within a micro-batch
+        assert [order[id(i)] for i in b] == sorted(order[id(i)] for i in b)
+    big = SimpleNamespace(sample=SimpleNamespace(prompt_tokens=np.zeros(5), token_ids=np.zeros(3 * budget)))
+    assert [len(b) for b in pack([items[0], big, items[1]], budget)] == [1, 2]

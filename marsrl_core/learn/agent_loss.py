@@ -204,15 +204,23 @@ def finish_metrics(t: dict[str, float]) -> dict[str, float]:
 
 
 def pack(items: list[TrainItem], budget: int) -> list[list[TrainItem]]:
-    """Greedy micro-batches of at most `budget` tokens (a longer sample forms its own batch)."""
-    batches, current, used = [], [], 0
-    for item in items:
-        size = len(item.sample.prompt_tokens) + len(item.sample.token_ids)
-        if current and used + size > budget:
-            batches.append(current)
-            current, used = [], 0
-        current.append(item)
-        used += size
-    if current:
-        batches.append(current)
-    return batches
+    """Micro-batches of at most `budget` tokens (a longer sample forms its own), as few as fit and
+    balanced in tokens: starting from the fewest the tokens allow, the longest sample first goes to
+    the micro-batch with the fewest tokens, one more micro-batch whenever that one has no room (sorted
+    greedy, as verl's sequence-length balancing). Within a micro-batch the samples keep their order.
+    How a step is cut changes no loss: every micro-batch's loss is normalised by the step's totals."""
+    sizes = [len(item.sample.prompt_tokens) + len(item.sample.token_ids) for item in items]
+    longest_first = sorted(range(len(items)), key=lambda i: (-sizes[i], i))
+    count = max(1, -(-sum(min(size, budget) for size in sizes) // budget))  # a longer sample fills one
+    while True:
+        members: list[list[int]] = [[] for _ in range(count)]
+        loads = [0] * count
+        for i in longest_first:
+            emptiest = min(range(count), key=lambda b: (loads[b], b))
+            if members[emptiest] and loads[emptiest] + sizes[i] > budget:
+                break  # no micro-batch has room for it: one more
+            members[emptiest].append(i)
+            loads[emptiest] += sizes[i]
+        else:
+            return [[items[i] for i in sorted(batch)] for batch in members if batch]
+        count += 1
