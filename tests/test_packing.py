@@ -1,6 +1,7 @@
 """Padding-free micro-batches (`learner.padding_free`): one row, `position_ids` restarting for each
-sequence, attention confined to each by transformers' packed-sequence path. Exactly what the padded
-rows give, for the tiny Llama and a random Qwen3, and through a learner step."""
+sequence, attention confined to each (transformers' block-diagonal mask with sdpa and eager, or
+`attention.VARLEN_SDPA`, which the learner uses). Exactly what the padded rows give, for the tiny
+Llama and a random Qwen3, and through a learner step; and micro-batches balanced in tokens."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from marsrl_core.config import load_config
 from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.engines.hf import HFEngine
+from marsrl_core.learn.attention import VARLEN_SDPA
 from marsrl_core.learn.learner import Learner
 from marsrl_core.learn.scoring import PackedBatch, TokenScorer
 from marsrl_core.store import SegmentStore
@@ -59,24 +61,25 @@ def test_a_padding_free_row_holds_only_the_sequences_with_restarting_positions()
     assert batch.lengths == [len(r) for r in responses]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", VARLEN_SDPA])
 @pytest.mark.parametrize("model_kind", ["tiny", "qwen3"])
 def test_padding_free_log_probs_equal_the_padded_ones_and_each_sequence_alone(folder, model_kind, attention):
     model = AutoModelForCausalLM.from_pretrained(folder) if model_kind == "tiny" else _qwen3()
-    model.config._attn_implementation = attention
-    model.config.use_cache = False
     scorer = TokenScorer(model, 4, 1.0)  # chunks smaller than a sequence: the chunking is exercised too
     prompts, responses = _sequences()
     with torch.no_grad():
+        model.config._attn_implementation = "sdpa"  # padded rows, and each sequence alone
         padded, padded_entropy = scorer(PackedBatch.build(prompts, responses, CPU))
-        free, free_entropy = scorer(PackedBatch.build(prompts, responses, CPU, padding_free=True))
         alone = [scorer(PackedBatch.build([p], [r], CPU))[0][0] for p, r in zip(prompts, responses)]
+        model.config._attn_implementation = attention
+        free, free_entropy = scorer(PackedBatch.build(prompts, responses, CPU, padding_free=True))
     assert torch.allclose(free, padded, atol=1e-5) and torch.allclose(free_entropy, padded_entropy, atol=1e-5)
     for row, single, r in zip(free, alone, responses):  # no attention across sequences of the row
         assert torch.allclose(row[: len(r)], single, atol=1e-5)
     # Without the restarting positions the row is one long sequence: the later ones attend to the earlier.
     joined = PackedBatch.build(prompts, responses, CPU, padding_free=True)
     joined.position_ids = torch.arange(joined.input_ids.shape[1])[None]
+    joined.cu_seqlens = torch.tensor([0, joined.input_ids.shape[1]], dtype=torch.int32)
     with torch.no_grad():
         assert not torch.allclose(scorer(joined)[0], padded, atol=1e-3)
 
@@ -155,3 +158,10 @@ def test_micro_batches_are_as_few_as_fit_and_balanced_in_tokens(seed):
         assert [order[id(i)] for i in b] == sorted(order[id(i)] for i in b)
     big = SimpleNamespace(sample=SimpleNamespace(prompt_tokens=np.zeros(5), token_ids=np.zeros(3 * budget)))
     assert [len(b) for b in pack([items[0], big, items[1]], budget)] == [1, 2]
+
+
+def test_the_varlen_kernel_refuses_a_batch_that_is_not_one_padding_free_row(folder):
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=VARLEN_SDPA)
+    prompts, responses = _sequences()
+    with pytest.raises(ValueError, match=rf"{VARLEN_SDPA}: attention over one padding-free row .* 3 rows"):
+        TokenScorer(model, 1024, 1.0)(PackedBatch.build(prompts, responses, CPU))

@@ -78,11 +78,11 @@ class LearnerConfig(_Section):
     padding_free: bool = Field(
         False,
         description="One row per micro-batch: its sequences concatenated, `position_ids` restarting at 0 for "
-        "each, attention confined to each sequence by transformers' packed-sequence path (FlashAttention-2's "
-        "variable-length kernel with model.attn_implementation=flash_attention_2; with sdpa or eager a "
-        "block-diagonal causal mask, exact, whose cost grows with the square of the row's tokens: keep "
-        "micro_batch_tokens small there). No padding token runs through the model (TRL's `padding_free`, "
-        "verl's `use_remove_padding`). Off: right-padded rows with an attention mask.",
+        "each, attention confined to each sequence (FlashAttention-2's variable-length kernel with "
+        "model.attn_implementation=flash_attention_2, else PyTorch's sdpa run on each sequence of the row, "
+        "`learn/attention.py`). No padding token runs through the model and attention costs the sum of the "
+        "squares of the sequences' lengths (TRL's `padding_free`, verl's `use_remove_padding`). Off: "
+        "right-padded rows with an attention mask.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory on long samples."

@@ -2,11 +2,11 @@
 
 A micro-batch (`PackedBatch.build`) is either right-padded rows with an attention mask, or, padding
 free, one row: the sequences concatenated, `position_ids` restarting at 0 for each and no attention
-mask, so transformers confines attention to each sequence itself (its packed-sequence path:
-FlashAttention-2's variable-length kernel with `flash_attention_2`; a block-diagonal causal mask with
-`sdpa` and `eager`, exact, but its mask and attention scores grow with the square of the row's tokens,
-where padding grows with the longest sequence times the rows). No padding token is run either way
-through the padding-free row.
+mask, its sequences' boundaries passed on as `cu_seq_lens_q`: the attention kernel confines attention
+to each sequence (FlashAttention-2's variable-length kernel, or `attention.VARLEN_SDPA`, which the
+learner's models use instead of `sdpa` and `eager`; with those two, transformers would build a
+block-diagonal causal mask over the whole row, exact but quadratic in the row's tokens). No padding
+token runs through the model.
 
 `TokenScorer(model)(batch)` returns the log-prob and entropy of every response token of a
 micro-batch, never materialising [tokens x vocabulary] logits (`algorithms.chunked_logprobs`). The
@@ -40,6 +40,7 @@ class PackedBatch:
     targets: torch.Tensor  # [T]: the response tokens
     lengths: list[int]  # response tokens per sequence
     position_ids: torch.Tensor | None = None  # [1, N] padding free: 0.. for each sequence
+    cu_seqlens: torch.Tensor | None = None  # [S + 1] padding free: where each sequence starts in the row, then N
 
     @classmethod
     def build(
@@ -77,6 +78,7 @@ class PackedBatch:
         )
         targets = torch.cat([torch.as_tensor(r, dtype=torch.long) for r in responses])
         position_ids = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+        cu_seqlens = torch.tensor([*starts, starts[-1] + len(seqs[-1])], dtype=torch.int32)
         return cls(
             torch.cat(seqs)[None].to(device),
             None,
@@ -84,7 +86,21 @@ class PackedBatch:
             targets.to(device),
             [len(r) for r in responses],
             position_ids.to(device),
+            cu_seqlens.to(device),
         )
+
+    def varlen_kwargs(self) -> dict:
+        """A padding-free row's sequence boundaries as transformers' attention kernels read them
+        (FlashAttention-2's varlen path, `attention.VARLEN_SDPA`); nothing for padded rows."""
+        if self.cu_seqlens is None:
+            return {}
+        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        return {
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
 
 
 LOGPROBS_METHOD = "marsrl_logprobs"  # the method of the output module that computes the chunked log-probs
@@ -109,6 +125,7 @@ class TokenScorer(torch.nn.Module):
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
             use_cache=False,
+            **batch.varlen_kwargs(),
         )
         flat = hidden.last_hidden_state.flatten(0, 1)[batch.positions]
         head = getattr(self.model.get_output_embeddings(), LOGPROBS_METHOD)
