@@ -130,3 +130,38 @@ def test_marsrl_eval_on_humaneval_with_a_random_qwen3_runs_end_to_end(tmp_path, 
     metrics = json.loads(row["metrics_json"])
     assert row["dataset"] == str(data) and metrics["problems"] == 2
     assert metrics["solver_acc"] == 0.0 and metrics["vc_acc"] == 0.0  # random weights write no program
+
+
+def test_the_synthetic_code_task_checks_its_one_line_function_in_the_sandbox():
+    """The demo task's code form: a right solution's function passes the problem's test, a wrong total or
+    a function that does not run fails it, an `Answer:` line is no program; its demonstrations are all in
+    the code form, and the Verifier's report reads a code solution as it reads an arithmetic one."""
+    import random
+
+    from marsrl_core.demo.synthetic import (
+        correct_solution,
+        demonstrations,
+        make_problems,
+        stated_answer,
+        verifier_report,
+    )
+
+    problems = make_problems(6, seed=3, code=True)
+    assert all(p.verifier == "code" and p.tests.entry_point == "f" for p in problems)
+    right = [correct_solution(p.prompt, code=True) for p in problems]
+    wrong = [r.replace(f"return {stated_answer(r)}", f"return {(int(stated_answer(r)) + 1) % 10}") for r in right]
+    with OutcomeChecker(workers=1, timeout_s=60) as checker:
+        outcomes = checker.check_many(
+            [(p, r) for p, r in zip(problems, right)]
+            + [(p, w) for p, w in zip(problems, wrong)]
+            + [(problems[0], right[0].replace("return", "retrun")), (problems[0], correct_solution(problems[0].prompt))]
+        )
+    assert [o.correct for o in outcomes] == [True] * 6 + [False] * 6 + [False, False]
+    assert outcomes[-1].reason == "no_answer" and outcomes[-2].reason.startswith("test failed:")
+    assert all(verifier_report(r, p.prompt).endswith("Correctness: Correct") for p, r in zip(problems, right))
+    assert all(verifier_report(w, p.prompt).endswith("Correctness: Wrong") for p, w in zip(problems, wrong))
+    demos = demonstrations(
+        problems, random.Random(0), solver_error=0.15, verdict_flip=0.25, repair_failure=0.4, code=True
+    )
+    targets = [target for role, _, target in demos if role in ("solver", "corrector")]
+    assert len(targets) == 12 and all(t.endswith("\n```") and "```python\ndef f():return " in t for t in targets)

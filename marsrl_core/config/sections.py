@@ -167,6 +167,14 @@ class DataConfig(_DatasetFields):
     )
     synthetic_min_terms: int = Field(3, ge=2, description="Synthetic task: fewest terms in a chain.")
     synthetic_max_terms: int = Field(5, ge=2, description="Synthetic task: most terms in a chain.")
+    verifier: Literal["math", "code"] = Field(
+        "math",
+        description="How a row's final outputs are checked when the row names none (its 'verifier' field): "
+        "'math' (the final answer against the reference, math-verify) or 'code' (the last fenced Python "
+        "block against the row's tests, in the sandbox; README, 'Datasets'). With the synthetic task, 'code' "
+        "asks for its answer as a one-line Python function run against the problem's test (demo/synthetic.py), "
+        "in training and in the held-out evaluation.",
+    )
     num_batches: int = Field(4, ge=1, description="Problem batches (rollout flows) in a training run.")
 
 

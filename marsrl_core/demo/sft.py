@@ -39,6 +39,8 @@ SFT_VERSION = 6  # bump when the demonstrations change, to invalidate caches
 
 def _key(cfg: MarsRLConfig) -> str:
     task = {k: v for k, v in cfg.data.model_dump().items() if k.startswith("synthetic_")}
+    if cfg.data.verifier == "code":  # the code form; the arithmetic form's key holds no verifier
+        task["verifier"] = "code"
     spec = {
         "model": cfg.model.model_dump(exclude={"device", "attn_implementation"}),  # where it runs, not what
         "roles": cfg.roles.model_dump(),
@@ -135,6 +137,7 @@ def warm_start(
         prefix="sft",
         min_terms=cfg.data.synthetic_min_terms,
         max_terms=cfg.data.synthetic_max_terms,
+        code=cfg.data.verifier == "code",
     )
     examples = demonstrations(
         problems,
@@ -143,6 +146,7 @@ def warm_start(
         verdict_flip=sc.verdict_flip,
         repair_failure=sc.repair_failure,
         report_corruption=sc.report_corruption,
+        code=cfg.data.verifier == "code",
     )
     schedule = {"steps": sc.max_steps, "batch_size": sc.per_device_train_batch_size, "learning_rate": sc.learning_rate}
     train_sft(model, tokenizer, roles, examples, seed=cfg.seed, progress=progress, **schedule)

@@ -9,6 +9,14 @@ recomputed totals, so the tiny Corrector's template shows it the problem and the
 keeps the steps that hold, recomputes the flagged one itself (some demonstrations misreport its total,
 see `misreport`), and solves on from there.
 
+The code form of the task (`code=True`; `marsrl train --set data.verifier=code`) asks for the answer
+as a one-line Python function instead of an `Answer:` line: `7+5=2;2+9=1;1+3=4;` then
+`` ```python\ndef f():return 4\n``` ``. The problem carries a test (`check(f)` asserts `f() == 4`), so
+the Solver's and Corrector's rewards come from running their program in the sandbox (`agents/code.py`)
+and the Verifier's from agreeing with that run. It exercises the code path end to end (fenced-block
+extraction, sandboxed tests, code rewards) on a task the tiny model can learn; it measures no
+program synthesis beyond that one line.
+
 Deliberately simple: no carries, no multi-digit numbers (a tiny character model learns those far
 too slowly on a CPU, as measured before this task was chosen).
 """
@@ -16,22 +24,33 @@ too slowly on a CPU, as measured before this task was chosen).
 from __future__ import annotations
 
 import random
+import re
 
+from marsrl_core.agents.code import CodeTests
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.roles import parse_bug_report
 
+CODE_ANSWER = re.compile(r"^```python\ndef f\(\):return (?P<answer>.*)\n```$", re.DOTALL)
+
 
 def make_problem(
-    rng: random.Random, index: int, min_terms: int = 3, max_terms: int = 5, prefix: str = "syn"
+    rng: random.Random, index: int, min_terms: int = 3, max_terms: int = 5, prefix: str = "syn", code: bool = False
 ) -> Problem:
     terms = [rng.randint(0, 9) for _ in range(rng.randint(min_terms, max_terms))]
-    return Problem(f"{prefix}-{index}", "+".join(map(str, terms)), str(sum(terms) % 10), "synthetic")
+    prompt, answer = "+".join(map(str, terms)), str(sum(terms) % 10)
+    if not code:
+        return Problem(f"{prefix}-{index}", prompt, answer, "synthetic")
+    tests = CodeTests(
+        test=f"def check(candidate):\n    assert candidate() == {answer}\n", entry_point="f", time_limit_s=5.0
+    )
+    return Problem(f"{prefix}-{index}", prompt, correct_solution(prompt, code=True), "synthetic", "code", tests)
 
 
-def make_problems(count: int, seed: int, prefix: str = "syn", **kwargs: int) -> list[Problem]:
-    """`count` problems drawn from a seeded generator (the same seed gives the same problems)."""
+def make_problems(count: int, seed: int, prefix: str = "syn", code: bool = False, **kwargs: int) -> list[Problem]:
+    """`count` problems drawn from a seeded generator (the same seed gives the same problems); `code`:
+    the code form, whose outputs are checked by running their program against the problem's test."""
     rng = random.Random(seed)
-    return [make_problem(rng, i, prefix=prefix, **kwargs) for i in range(count)]
+    return [make_problem(rng, i, prefix=prefix, code=code, **kwargs) for i in range(count)]
 
 
 def solution_steps(prompt: str) -> list[tuple[int, int, int]]:
@@ -44,13 +63,23 @@ def solution_steps(prompt: str) -> list[tuple[int, int, int]]:
     return steps
 
 
-def write_solution(steps: list[tuple[int, int, int]]) -> str:
+def write_solution(steps: list[tuple[int, int, int]], code: bool = False) -> str:
     body = ";".join(f"{a}+{b}={c}" for a, b, c in steps)
-    return f"{body};Answer: {steps[-1][2] if steps else ''}"
+    answer = steps[-1][2] if steps else ""
+    return f"{body};```python\ndef f():return {answer}\n```" if code else f"{body};Answer: {answer}"
 
 
-def correct_solution(prompt: str) -> str:
-    return write_solution(solution_steps(prompt))
+def correct_solution(prompt: str, code: bool = False) -> str:
+    return write_solution(solution_steps(prompt), code)
+
+
+def stated_answer(solution: str) -> str | None:
+    """What a solution's last part states as its answer (`Answer: x`, or the code form's `return x`)."""
+    last = solution.rsplit(";", 1)[-1].strip()
+    if last.startswith("Answer:"):
+        return last.removeprefix("Answer:").strip()
+    match = CODE_ANSWER.match(last)
+    return match.group("answer").strip() if match else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -59,9 +88,10 @@ def correct_solution(prompt: str) -> str:
 
 
 def parse_steps(solution: str) -> list[tuple[int, int, int]] | None:
-    """The (a, b, c) steps of a solution written as `a+b=c;...;Answer: x`, or None if malformed."""
+    """The (a, b, c) steps of a solution written as `a+b=c;...;Answer: x` (or in the code form), or None
+    if malformed."""
     parts = solution.split(";")
-    if not parts[-1].strip().startswith("Answer:"):
+    if stated_answer(solution) is None:
         return None
     steps = []
     for part in parts[:-1]:
@@ -106,7 +136,7 @@ def verifier_report(solution: str, prompt: str) -> str:
     if wrong is not None:
         return _flagged_report(steps, wrong)
     marks = [_mark(*step, "ok") for step in steps[: _step_count(prompt)]]
-    answer = solution.rsplit("Answer:", 1)[-1].strip()
+    answer = stated_answer(solution)
     if len(steps) != _step_count(prompt) or not steps or answer != str(steps[-1][2]):
         return ";".join(marks + ["end no"]) + ";Correctness: Wrong"
     return ";".join(marks) + ";Correctness: Correct"
@@ -139,7 +169,7 @@ def _flagged_report(steps: list[tuple[int, int, int]], flagged: int, recomputed:
     return ";".join(marks) + ";Correctness: Wrong"
 
 
-def keep_first_mistake(solution: str, prompt: str) -> str:
+def keep_first_mistake(solution: str, prompt: str, code: bool = False) -> str:
     """A failed repair: the solution's first wrong total trusted, the remaining steps done right from it."""
     terms = [int(t) for t in prompt.split("+")]
     steps, total = [], terms[0]
@@ -150,7 +180,7 @@ def keep_first_mistake(solution: str, prompt: str) -> str:
         if not holds:
             break
     rest = "+".join(map(str, [total, *terms[len(steps) + 1 :]]))  # the remaining chain, from the trusted total
-    return write_solution(steps + solution_steps(rest))
+    return write_solution(steps + solution_steps(rest), code)
 
 
 def misreport(solution: str, prompt: str, rng: random.Random) -> str:
@@ -176,24 +206,26 @@ def demonstrations(
     verdict_flip: float,
     repair_failure: float,
     report_corruption: float = 0.0,
+    code: bool = False,
 ) -> list[tuple[str, str, str]]:
     """(role, prompt fields joined by '|', target) demonstrations for all three roles; the mistake rates
     are `SFTConfig`'s fields of the same names. A Corrector demonstration's report is misreported
-    (`misreport`) with probability `report_corruption`; its target is the same as with a true report."""
+    (`misreport`) with probability `report_corruption`; its target is the same as with a true report.
+    `code`: solutions in the code form."""
     demos = []
     for p in problems:
-        solution = write_solution(noisy_steps(p.prompt, rng, solver_error))
+        solution = write_solution(noisy_steps(p.prompt, rng, solver_error), code)
         demos.append(("solver", p.prompt, solution))
-        judged = write_solution(noisy_steps(p.prompt, rng, 0.35))
+        judged = write_solution(noisy_steps(p.prompt, rng, 0.35), code)
         report = verifier_report(judged, p.prompt)
         if rng.random() < verdict_flip:
             flipped = "Correct" if report.endswith("Wrong") else "Wrong"
             report = report.rsplit(":", 1)[0] + f": {flipped}"
         demos.append(("verifier", f"{p.prompt}|{judged}", report))
-        previous = write_solution(noisy_steps(p.prompt, rng, 0.35))  # right in about a third of cases
-        repair = correct_solution(p.prompt)
+        previous = write_solution(noisy_steps(p.prompt, rng, 0.35), code)  # right in about a third of cases
+        repair = correct_solution(p.prompt, code)
         if previous != repair and rng.random() < repair_failure:
-            repair = keep_first_mistake(previous, p.prompt)
+            repair = keep_first_mistake(previous, p.prompt, code)
         report = (
             misreport(previous, p.prompt, rng)
             if rng.random() < report_corruption

@@ -30,6 +30,7 @@ def batch_problems(cfg: MarsRLConfig, batch_index: int) -> list[Problem]:
             prefix=f"b{batch_index}",
             min_terms=cfg.data.synthetic_min_terms,
             max_terms=cfg.data.synthetic_max_terms,
+            code=cfg.data.verifier == "code",
         )
     pool = training_set(cfg).problems
     return [

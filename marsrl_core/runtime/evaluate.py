@@ -28,7 +28,9 @@ HELD_OUT_SEED_OFFSET = 10_000  # held-out synthetic problems never share a gener
 def evaluation_problems(cfg: MarsRLConfig, store: Store, run_id: str, tokenizer) -> list[Problem]:
     ev = cfg.evaluation
     if ev.dataset is None:
-        return make_problems(ev.num_problems, cfg.seed + HELD_OUT_SEED_OFFSET, prefix="heldout")
+        # the synthetic task's held-out problems, in the form it trains on (`data.verifier`)
+        code = cfg.data.verifier == "code"
+        return make_problems(ev.num_problems, cfg.seed + HELD_OUT_SEED_OFFSET, prefix="heldout", code=code)
     loaded = load_problems(
         ev.dataset,
         question_field=ev.question_field,
