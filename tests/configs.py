@@ -97,15 +97,15 @@ LEARNING_RUN = {"learner.max_steps": 50, "data.num_batches": 20, "evaluation.num
 
 def learning_config(tmp_path, seed: int = 0, extra: list[str] | None = None) -> MarsRLConfig:
     """The short learning run under `tmp_path`, with `seed` for RL sampling and the held-out problems
-    (the warm start stays the committed one of the tiny preset, made with the preset's own seed);
-    `extra` overrides (`key=value`) come last."""
+    (the warm start stays the committed one of the tiny preset with `extra`, made with the preset's own
+    seed: `data.verifier=code` has its own); `extra` overrides (`key=value`) come last."""
     from marsrl_core.demo.sft import COMMITTED, find_warm_start
 
-    folder = find_warm_start(load_config("tiny"))
+    folder = find_warm_start(load_config("tiny", None, list(extra or [])))
     if folder is None or folder.parent != COMMITTED:
         raise RuntimeError(
-            f"no committed warm start for the tiny preset in {COMMITTED} (make it with "
-            "`marsrl sft --set output_dir=demo/warm-starts`)"
+            f"no committed warm start for the tiny preset with {extra or 'no overrides'} in {COMMITTED} (make it "
+            "with `marsrl sft --set output_dir=demo/warm-starts` and those overrides)"
         )
     overrides = {**_under(tmp_path), "model.path": str(folder), "seed": seed, **LEARNING_RUN}
     return load_config("tiny", None, [f"{k}={v}" for k, v in overrides.items()] + list(extra or []))
