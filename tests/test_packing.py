@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from marsrl_core.config import load_config
 from marsrl_core.demo.tiny import build_tiny_model
@@ -17,6 +17,7 @@ from marsrl_core.learn.attention import VARLEN_SDPA
 from marsrl_core.learn.learner import Learner
 from marsrl_core.learn.scoring import PackedBatch, TokenScorer
 from marsrl_core.store import SegmentStore
+from tests.qwen3 import qwen3_config
 from tests.rollout_helpers import digit_fraction, sample_groups
 
 CPU = torch.device("cpu")
@@ -36,17 +37,9 @@ def _sequences(seed: int = 0):
 
 
 def _qwen3():
+    """A random Qwen3 of the tests' small shape (`tests/qwen3.py`), with Qwen3's q/k norms."""
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-    )
-    return Qwen3ForCausalLM(config)
+    return Qwen3ForCausalLM(qwen3_config())
 
 
 def test_a_padding_free_row_holds_only_the_sequences_with_restarting_positions():
