@@ -40,6 +40,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.params import run_config
 from flows.subflows import in_thread, keep_in_flight, parent_heartbeat_only
 from marsrl_core.config import MarsRLConfig, absolute_paths, default_config
+from marsrl_core.divergence import PolicyDiverged
 from marsrl_core.rollout.samples import agent_of_turn
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
@@ -73,7 +74,7 @@ def rollout_flow(
                 break  # no problem of the batch reached this turn, so none reaches a later one
             task = rollout_turn.with_options(name=f"{agent_of_turn(turn)}-turn{turn}")
             turns.append(task.submit(config, run_id, batch_index, turn))
-    except events.PolicyDiverged as err:  # the decode loop ended on it: one line, no traceback
+    except PolicyDiverged as err:  # the decode loop ended on it: one line, no traceback
         return Failed(message=str(err))
     results = [future.result() for future in turns]  # raises if a turn failed
     if diverged := [r["diverged"] for r in results if "diverged" in r]:

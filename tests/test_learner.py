@@ -484,7 +484,7 @@ def test_a_non_finite_gradient_skips_the_update_and_publishes_the_weights_as_the
 def test_an_update_that_makes_a_parameter_non_finite_is_never_published(folder, tmp_path):
     """An optimizer step that overflows a parameter (torch refuses a learning rate past float32's range,
     so a post-step hook stands in for the overflow) fails the step before anything is written."""
-    from marsrl_core.runtime.events import PolicyDiverged
+    from marsrl_core.divergence import PolicyDiverged
 
     cfg = _cfg(tmp_path)
     store = SegmentStore.from_config(cfg.store)
@@ -503,7 +503,7 @@ def test_an_update_that_blows_the_weights_up_stops_before_it_is_published(folder
     """A learning rate of 1e30 leaves the weights finite but ~1e30 after one AdamW step: past
     `learner.max_weight_abs` the step stops the run in one line naming the step, the parameter and the
     learning rate, and nothing is published; with no bound the same step is published."""
-    from marsrl_core.runtime.events import PolicyDiverged
+    from marsrl_core.divergence import PolicyDiverged
 
     cfg = _cfg(tmp_path, learning_rate=1e30, max_weight_abs=bound)
     store = SegmentStore.from_config(cfg.store)

@@ -49,6 +49,7 @@ from marsrl_core.devices import (
     reset_peak_memory,
     resolve_device,
 )
+from marsrl_core.divergence import PolicyDiverged
 from marsrl_core.faults import crash_point
 from marsrl_core.learn import distributed
 from marsrl_core.learn.agent_loss import (
@@ -65,7 +66,6 @@ from marsrl_core.learn.checkpoint_folders import SHARED_POLICY, policy_names
 from marsrl_core.learn.models import load_model, shard_and_fill
 from marsrl_core.learn.scoring import TokenScorer
 from marsrl_core.learn.versions import DURABLE, DurableWriter, LearnerVersions
-from marsrl_core.runtime.events import PolicyDiverged
 from marsrl_core.store import SegmentStore, TrainableGroup
 from marsrl_core.timings import timed
 

@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from marsrl_core.agents.problems import Problem
+from marsrl_core.divergence import PolicyDiverged
 from marsrl_core.rollout.samples import BatchProgress, RolloutInterrupted
-from marsrl_core.runtime.events import PolicyDiverged
 from marsrl_core.timings import timed
 
 log = logging.getLogger(__name__)

@@ -49,6 +49,7 @@ from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.rewards import judge as judge_output
 from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER, Roles
 from marsrl_core.config import MarsRLConfig
+from marsrl_core.divergence import PolicyDiverged
 from marsrl_core.faults import crash_point
 from marsrl_core.rollout.resume import restore
 from marsrl_core.rollout.samples import (
@@ -65,7 +66,6 @@ from marsrl_core.rollout.samples import (
 from marsrl_core.rollout.segments import decode_segment
 from marsrl_core.rollout.turns import batches_on_their_turn, has_next_turn, next_turn_inputs
 from marsrl_core.rollout.weights import WeightChannel
-from marsrl_core.runtime.events import PolicyDiverged
 from marsrl_core.store import Rejection, RewardRow, SegmentRow, Store
 from marsrl_core.timings import timed
 

@@ -4,7 +4,7 @@
 - `STOP_REQUESTED`: a split run's rollout side starts no new batch (those running finish).
 - `batch_done(b)`: batch `b` has been decoded to its end; a resumed run skips it.
 - `STORE_LOCK_RETRIES`: written when a split-run process ends: "<process>:<retries>".
-- `DIVERGED`: the policy diverged (`PolicyDiverged`, its message in the detail): every process of the
+- `DIVERGED`: the policy diverged (`divergence.PolicyDiverged`, its message in the detail): every process of the
   run stops, the learner before its next step, the rollouts without starting a batch.
 """
 
@@ -15,12 +15,6 @@ STOP_REQUESTED = "stop_requested"
 STORE_LOCK_RETRIES = "store_lock_retries"
 BATCH_DONE = "batch_done:"
 DIVERGED = "diverged"
-
-
-class PolicyDiverged(RuntimeError):
-    """The policy's weights or its rollouts' log-probs are non-finite or absurd: the run cannot go on
-    with its settings. The message is one line that names the step or version, the cause and the
-    setting to look at; nothing non-finite was committed."""
 
 
 def batch_done(batch_index: int) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 
 from marsrl_core.agents.problems import DatasetError
 from marsrl_core.config import AGENTS, ConfigError, MarsRLConfig, build_config, migrate_renamed
+from marsrl_core.divergence import PolicyDiverged
 from marsrl_core.learn.checkpoint_folders import agent_folders, checkpoint_root
 from marsrl_core.learn.groups import ready_groups as _ready_groups
 from marsrl_core.policy import policy_folder, roles_from_config
@@ -140,7 +141,7 @@ def rollout_turn(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) ->
     and tokens. The decode loop does the decoding; this is the turn's span of it."""
     try:
         progress = rollout_loop(cfg, run_id).wait(batch_index, lambda p: p.final(turn))
-    except events.PolicyDiverged as exc:  # the loop has ended: every process of the run stops
+    except PolicyDiverged as exc:  # the loop has ended: every process of the run stops
         runtime().store(cfg).mark(run_id, events.DIVERGED, str(exc))
         return {"diverged": str(exc)}
     return {"samples": progress.samples[turn], "finished": progress.finished[turn], "tokens": progress.tokens[turn]}
@@ -194,7 +195,7 @@ def train_step(
     try:
         with timed("learner.step"):
             report = learner.train_step(groups)
-    except events.PolicyDiverged as exc:  # not retried: the same groups and weights diverge again
+    except PolicyDiverged as exc:  # not retried: the same groups and weights diverge again
         rt.drop_learner(run_id)  # its in-memory update is not what the last commit holds
         rt.store(cfg, lane="learner").mark(run_id, events.DIVERGED, str(exc))
         return {"diverged": str(exc)}
