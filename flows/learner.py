@@ -91,8 +91,8 @@ def learner_flow(
                     compact(config)  # keeps the next polls' file lists short; readers keep their files (retention)
         elif finished:
             break
-        elif store.has_event(run_id, events.DIVERGED):  # the rollouts stopped the run (a split run's)
-            return Failed(message=store.event_details(run_id, events.DIVERGED)[0])
+        elif diverged := store.event_details(run_id, events.DIVERGED):  # the rollouts stopped the run (a split run's)
+            return Failed(message=diverged[0])
         elif time.monotonic() - idle_since > idle_timeout_s:
             idle_out = True
             break

@@ -128,7 +128,7 @@ def warm_start(
     if cached is not None:
         return cached
     folder = Path(cfg.output_dir) / f"warm-start-{_key(cfg)}"
-    sc = cfg.sft
+    sc, code = cfg.sft, cfg.data.verifier == "code"  # the task's code form (`synthetic.py`)
     model = AutoModelForCausalLM.from_pretrained(start)
     tokenizer = AutoTokenizer.from_pretrained(start)
     problems = make_problems(
@@ -137,7 +137,7 @@ def warm_start(
         prefix="sft",
         min_terms=cfg.data.synthetic_min_terms,
         max_terms=cfg.data.synthetic_max_terms,
-        code=cfg.data.verifier == "code",
+        code=code,
     )
     examples = demonstrations(
         problems,
@@ -146,7 +146,7 @@ def warm_start(
         verdict_flip=sc.verdict_flip,
         repair_failure=sc.repair_failure,
         report_corruption=sc.report_corruption,
-        code=cfg.data.verifier == "code",
+        code=code,
     )
     schedule = {"steps": sc.max_steps, "batch_size": sc.per_device_train_batch_size, "learning_rate": sc.learning_rate}
     train_sft(model, tokenizer, roles, examples, seed=cfg.seed, progress=progress, **schedule)
