@@ -128,8 +128,7 @@ def test_a_learner_step_has_the_same_losses_and_gradients_however_it_is_laid_out
 def test_micro_batches_are_as_few_as_fit_and_balanced_in_tokens(seed):
     """64 log-normal lengths (median about an eighth of the longest), a budget of twice the longest:
     every sample in exactly one micro-batch, none over the budget, as few micro-batches as the tokens
-    need, their tokens within 5% of the budget of each other (cut in arrival order, 1,899 to 10,727
-    apart on these seeds, with one micro-batch more on three of them); a sample over the budget alone."""
+    need, their tokens within 5% of the budget of each other; a sample over the budget alone."""
     from types import SimpleNamespace
 
     from marsrl_core.learn.agent_loss import pack
