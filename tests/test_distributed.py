@@ -65,7 +65,7 @@ def setup(tmp_path_factory):
     store = SegmentStore.from_config(cfg.store)
     engine = HFEngine.from_pretrained(folder)
     steps: dict[str, list] = {}
-    for run in ("one", "dp", "fsdp", "one-odd", "fsdp-resume"):
+    for run in ("one", "dp", "fsdp", "one-odd", "fsdp-resume", "sp", "dp-sp"):
         steps[run] = []
         for step in range(STEPS):
             groups = []
@@ -93,9 +93,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(setup, run, *extra, resume=False, limit=None, launcher="torchrun", folder="folder"):
-    """Two ranks of tests/distributed_steps.py on `setup[folder]`, started by torchrun or by `accelerate
-    launch` with the eight-GPU config of deployments/accelerate (two processes here)."""
+def _launch(setup, run, *extra, resume=False, limit=None, launcher="torchrun", folder="folder", nproc=2):
+    """`nproc` ranks of tests/distributed_steps.py on `setup[folder]`, started by torchrun or by
+    `accelerate launch` with the eight-GPU config of deployments/accelerate (two processes here); each
+    rank records its micro-batches in tmp/record-RUN."""
     tmp = setup["tmp"]
     spec = {
         "overrides": _overrides(tmp, *extra),
@@ -105,15 +106,17 @@ def _launch(setup, run, *extra, resume=False, limit=None, launcher="torchrun", f
         "steps": setup["steps"][run],
         "resume": resume,
         "limit": limit,
+        "record": str(tmp / f"record-{run}"),
     }
+    (tmp / f"record-{run}").mkdir(exist_ok=True)
     path = tmp / f"spec-{run}.json"
     path.write_text(json.dumps(spec))
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     if launcher == "accelerate":
         config = ROOT / "deployments" / "accelerate" / "eight-gpus.yaml"
         cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config)]
-        cmd += ["--num_processes", "2", "--main_process_port", str(_free_port())]
+        cmd += ["--num_processes", str(nproc), "--main_process_port", str(_free_port())]
     proc = subprocess.run(
         [*cmd, str(ROOT / "tests" / "distributed_steps.py"), str(path)],
         env=env,
@@ -146,6 +149,40 @@ def test_two_ranks_compute_the_one_process_update(setup, mode):
     diff = _max_diff(checkpoint, one)
     print(f"{mode}: max |2 ranks - 1 process| = {diff:.2e} (the steps moved weights by up to {moved:.2e})")
     assert moved > 1e-3 and diff <= 1e-5
+
+
+def test_ranks_with_unequal_shares_run_as_many_micro_batches(setup):
+    """The sharded run's ranks got different numbers of samples and lengths (several micro-batches of 40
+    tokens each): their own micro-batches differ in number, yet every rank ran as many forwards (each
+    one is a collective), and the run ended within its timeout instead of hanging."""
+    record = _trained(setup, "fsdp").parents[1] / "record-fsdp"
+    ranks = [json.loads((record / f"rank{r}.json").read_text()) for r in range(2)]
+    print(ranks)
+    assert ranks[0]["own"] != ranks[1]["own"]
+    assert ranks[0]["forwards"] == ranks[1]["forwards"] >= max(sum(r["own"]) for r in ranks)
+
+
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, ("learner.fsdp=true", "learner.gradient_checkpointing=true")),  # 1 data x 2 sequence, sharded
+        (4, ("learner.fsdp=false",)),  # 2 data x 2 sequence, replicated
+    ],
+    ids=["1x2-fsdp", "2x2"],
+)
+def test_sequence_parallel_ranks_compute_the_one_process_update(setup, nproc, layout):
+    """Ulysses sequence parallelism (`learner.sequence_parallel=2`): each rank's decoder runs half of
+    every padding-free row, attention heads exchanged by all-to-all; after two steps the parameters are
+    those of one process (padded rows) within 1e-5."""
+    run = "sp" if nproc == 2 else "dp-sp"
+    free = ("learner.padding_free=true", "learner.sequence_parallel=2")
+    checkpoint = _launch(setup, run, *free, *layout, nproc=nproc)
+    for rank in range(nproc):  # every rank ran half of each row (and a row of odd length one padding token)
+        rows = json.loads((setup["tmp"] / f"record-{run}" / f"rank{rank}.json").read_text())["rows"]
+        assert rows and all(ran == -(-tokens // 2) for tokens, ran in rows), rows
+    diff = _max_diff(checkpoint, setup["one"].models["policy"])
+    print(f"{nproc} ranks, sequence_parallel=2: max |ranks - 1 process| = {diff:.2e}")
+    assert diff <= 1e-5
 
 
 def test_a_sharded_checkpoint_is_a_whole_hugging_face_model(setup):

@@ -1,7 +1,8 @@
 """Padding-free micro-batches (`learner.padding_free`): one row, `position_ids` restarting for each
 sequence, attention confined to each (transformers' block-diagonal mask with sdpa and eager, or
 `attention.VARLEN_SDPA`, which the learner uses). Exactly what the padded rows give, for the tiny
-Llama and a random Qwen3, and through a learner step; and micro-batches balanced in tokens."""
+Llama and a random Qwen3, and through a learner step; micro-batches balanced in tokens; and how
+sequence parallelism cuts a row (its two- and four-rank steps are in tests/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from marsrl_core.config import load_config
-from marsrl_core.demo.tiny import build_tiny_model
+from marsrl_core.demo.tiny import build_tiny_model, tiny_llama_config
 from marsrl_core.engines.hf import HFEngine
 from marsrl_core.learn.attention import VARLEN_SDPA
 from marsrl_core.learn.learner import Learner
 from marsrl_core.learn.scoring import PackedBatch, TokenScorer
+from marsrl_core.learn.sequence_parallel import SequenceGroup, check_heads, local_part
 from marsrl_core.store import SegmentStore
 from tests.qwen3 import qwen3_config
 from tests.rollout_helpers import digit_fraction, sample_groups
@@ -157,3 +159,40 @@ def test_the_varlen_kernel_refuses_a_batch_that_is_not_one_padding_free_row(fold
     prompts, responses = _sequences()
     with pytest.raises(ValueError, match=rf"{VARLEN_SDPA}: attention over one padding-free row .* 3 rows"):
         TokenScorer(model, 1024, 1.0)(PackedBatch.build(prompts, responses, CPU))
+
+
+@pytest.mark.parametrize("size", [2, 4, 64])
+def test_sequence_parallel_cuts_a_row_into_equal_parts_with_its_own_padding_sequence(size):
+    """Each of `size` ranks gets as many tokens of the row (37 tokens; 64 ranks: more ranks than tokens),
+    the row padded at its end by a sequence of its own; the predicting hidden states and their targets
+    are split among the ranks in order, and every rank knows how many each scores."""
+    prompts, responses = _sequences()
+    batch = PackedBatch.build(prompts, responses, CPU, padding_free=True)
+    n = batch.input_ids.shape[1]
+    parts = [local_part(batch, SequenceGroup(None, rank, size)) for rank in range(size)]
+    width = -(-n // size)
+    pad = width * size - n
+    assert all(part.input_ids.shape == (1, width) for part, _ in parts)
+    row = torch.cat([part.input_ids for part, _ in parts], dim=1)[0]
+    assert torch.equal(row[:n], batch.input_ids[0]) and not row[n:].any()
+    positions = torch.cat([part.position_ids for part, _ in parts], dim=1)[0]
+    assert positions.tolist() == batch.position_ids[0].tolist() + list(range(pad))
+    for part, counts in parts:
+        assert part.cu_seqlens.tolist() == batch.cu_seqlens.tolist() + ([n + pad] if pad else [])
+        assert counts == parts[0][1] and sum(counts) == len(batch.targets)
+    for rank, (part, counts) in enumerate(parts):
+        assert len(part.targets) == counts[rank]
+        # each target is the token after its predicting position, which may lie on the next rank
+        assert torch.equal(row[part.positions + rank * width + 1], part.targets)
+    assert torch.equal(torch.cat([part.targets for part, _ in parts]), batch.targets)
+
+
+def test_sequence_parallel_refuses_what_it_cannot_cut():
+    with pytest.raises(ValueError, match="must divide the model's 3 attention heads"):
+        check_heads(tiny_llama_config(100, hidden_size=48, num_heads=3), 2)
+    with pytest.raises(ValueError, match="sequence_parallel=2 cuts padding-free rows: set learner.padding_free"):
+        load_config("tiny", None, ["learner.sequence_parallel=2"])
+    with pytest.raises(ValueError, match="sequence_parallel=2 must divide nproc=3"):
+        load_config("tiny", None, ["learner.sequence_parallel=2", "learner.padding_free=true", "learner.nproc=3"])
+    with pytest.raises(ValueError, match="must divide the learner's ranks, 1"):
+        SequenceGroup.form(None, 2)

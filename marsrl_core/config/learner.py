@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from marsrl_core.config.base import AGENTS, _Section
 
@@ -83,6 +83,16 @@ class LearnerConfig(_Section):
         "`learn/attention.py`). No padding token runs through the model and attention costs the sum of the "
         "squares of the sequences' lengths (TRL's `padding_free`, verl's `use_remove_padding`). Off: "
         "right-padded rows with an attention mask.",
+    )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism (DeepSpeed-Ulysses; verl's `ulysses_sequence_parallel_size`): "
+        "groups of this many learner ranks share each padding-free row, each running 1/N of its tokens, "
+        "attention heads exchanged by all-to-all (`learn/sequence_parallel.py`). Per-rank activations "
+        "shrink about N times, so one sequence may be N times longer than a rank alone holds. The ranks "
+        "form a data x sequence layout (`nproc` / N data groups); needs `padding_free` and N dividing "
+        "`nproc` and the model's attention heads.",
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory on long samples."
@@ -174,6 +184,15 @@ class LearnerConfig(_Section):
         "in-flight sample carries its own log-probs, and the MLflow registry's alias points at its own copy "
         "(`tracking.log_checkpoint_steps`). Every version stays a row in the store.",
     )
+
+    @model_validator(mode="after")
+    def _sequence_parallel_layout(self) -> LearnerConfig:
+        sp = self.sequence_parallel
+        if sp > 1 and not self.padding_free:
+            raise ValueError(f"sequence_parallel={sp} cuts padding-free rows: set learner.padding_free=true")
+        if sp > 1 and self.nproc > 1 and self.nproc % sp:
+            raise ValueError(f"sequence_parallel={sp} must divide nproc={self.nproc} (data x sequence ranks)")
+        return self
 
     def groups_per_step_by_agent(self) -> dict[str, int]:
         """Complete groups one step consumes, per agent."""

@@ -20,7 +20,9 @@ untrained (`stale_groups='drop'`: recorded as dropped, so they are never offered
 
 Several ranks (`distributed`; `marsrl learn --nproc N`, or a launcher): rank 0 runs `train_step` and
 starts each step on the others, which `follow()`; every rank trains its share of the samples and the
-summed gradients give the one-process update; rank 0 alone reads the store and commits.
+summed gradients give the one-process update; rank 0 alone reads the store and commits. With
+`learner.sequence_parallel = N` the samples are shared by groups of N ranks, each of which runs 1/N of
+every row (`sequence_parallel`).
 
 Policies: `shared` (one model for all roles, the paper) or `per_agent` (a model, AdamW and warm-up
 schedule per agent). Resuming and publishing versions (durable every `learner.save_every` steps) is
@@ -65,6 +67,7 @@ from marsrl_core.learn.agent_loss import (
 from marsrl_core.learn.checkpoint_folders import SHARED_POLICY, policy_names
 from marsrl_core.learn.models import load_model, shard_and_fill
 from marsrl_core.learn.scoring import TokenScorer
+from marsrl_core.learn.sequence_parallel import SequenceGroup, check_heads
 from marsrl_core.learn.versions import DURABLE, DurableWriter, LearnerVersions
 from marsrl_core.store import SegmentStore, TrainableGroup
 from marsrl_core.timings import timed
@@ -103,6 +106,10 @@ class Learner(LearnerVersions):
         names = policy_names(per_agent=lc.policies == "per_agent")
         load = lambda dtype: load_model(start_folder, cfg, dtype, self.device, empty=self.sharded)
         self.models = {name: load(master_dtype(cfg)) for name in names}
+        self.sequence = None  # Ulysses: this rank's group of `learner.sequence_parallel` ranks sharing each row
+        if lc.sequence_parallel > 1:
+            check_heads(next(iter(self.models.values())).config, lc.sequence_parallel)
+            self.sequence = SequenceGroup.form(ranks, lc.sequence_parallel)
         self.scorers = {name: self._scorer(m) for name, m in self.models.items()}
         self.reference = None
         if lc.beta > 0:  # frozen, so no fp32 master copy
@@ -136,7 +143,7 @@ class Learner(LearnerVersions):
         self.writer = DurableWriter()  # `learner.async_save`
 
     def _scorer(self, model) -> TokenScorer:
-        return TokenScorer(model, self.cfg.learner.logprob_chunk_tokens, self.temperature)
+        return TokenScorer(model, self.cfg.learner.logprob_chunk_tokens, self.temperature, self.sequence)
 
     def policy_name(self, agent: str) -> str:
         return SHARED_POLICY if SHARED_POLICY in self.models else agent
@@ -264,7 +271,8 @@ class Learner(LearnerVersions):
             mine, min_batches = items, 0
             if self.ranks is not None:
                 sizes = [len(i.sample.prompt_tokens) + len(i.sample.token_ids) for i in items]
-                mine = distributed.split_by_tokens(items, sizes, self.ranks.world_size)[self.ranks.rank]
+                groups = self.ranks.world_size // lc.sequence_parallel  # the ranks of a sequence group share
+                mine = distributed.split_by_tokens(items, sizes, groups)[self.ranks.rank // lc.sequence_parallel]
                 if self.sharded:  # every rank runs as many forwards and backwards (each is a collective)
                     min_batches = distributed.max_over_ranks(len(pack(mine, lc.micro_batch_tokens)))
             totals[agent] = backward(
@@ -281,6 +289,8 @@ class Learner(LearnerVersions):
                 filler=items[0],
             )
         if self.ranks is not None:
+            if self.sequence is not None and self.sequence.rank:  # its group's first rank counts the metrics
+                totals = {agent: t | dict.fromkeys(SUMMED, 0.0) for agent, t in totals.items()}
             totals = distributed.reduce_totals(totals, SUMMED, MAXED)
             if not self.sharded:
                 for name in sorted({self.policy_name(a) for a in per_agent}):

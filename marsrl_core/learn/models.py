@@ -3,7 +3,8 @@ learner, built empty, sharded with FSDP2 and filled from rank 0, so that no rank
 
 - `load_model(folder, cfg, dtype, device)`: the model ready to train (gradient checkpointing as
   `learner.gradient_checkpointing` says; with `learner.padding_free`, attention per sequence of a row:
-  FlashAttention-2's varlen kernel, or `attention.VARLEN_SDPA` in place of `sdpa` and `eager`);
+  FlashAttention-2's varlen kernel, or `attention.VARLEN_SDPA` in place of `sdpa` and `eager`; with
+  `learner.sequence_parallel`, that kernel inside `sequence_parallel.ulysses_attention`);
   `empty=True` leaves its parameters on the meta device.
 - `shard_and_fill(scorers, folder, ...)`: each empty model sharded (`distributed.shard`), then filled:
   rank 0 alone reads the folder (as stored, on its CPU) and scatters each tensor
@@ -20,6 +21,7 @@ from marsrl_core.config import MarsRLConfig
 from marsrl_core.devices import attn_implementation
 from marsrl_core.learn import distributed
 from marsrl_core.learn.attention import VARLEN_SDPA
+from marsrl_core.learn.sequence_parallel import ULYSSES
 
 
 def load_model(folder: Path, cfg: MarsRLConfig, dtype: torch.dtype, device: torch.device, empty: bool = False):
@@ -30,6 +32,8 @@ def load_model(folder: Path, cfg: MarsRLConfig, dtype: torch.dtype, device: torc
     attn = attn_implementation(cfg.model.attn_implementation, device)
     if cfg.learner.padding_free and attn != "flash_attention_2":  # sdpa per sequence, not over the whole row
         attn = VARLEN_SDPA
+    if cfg.learner.sequence_parallel > 1:  # the same kernel over the whole row, 1/N of the heads per rank
+        attn = ULYSSES + attn
     model = empty_model(folder, dtype, attn) if empty else load_model_folder(folder, dtype, device, attn)
     if cfg.learner.gradient_checkpointing:
         # non-reentrant: the form torch recommends, and the one FSDP2's hooks see through

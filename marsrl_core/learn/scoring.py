@@ -21,6 +21,7 @@ from __future__ import annotations
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,23 +112,35 @@ def _output_logprobs(head: torch.nn.Module, hidden, targets, chunk_tokens: int, 
 
 
 class TokenScorer(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module, chunk_tokens: int, temperature: float):
+    def __init__(self, model: torch.nn.Module, chunk_tokens: int, temperature: float, sequence: Any = None):
         super().__init__()
         self.model, self.chunk_tokens, self.temperature = model, chunk_tokens, temperature
+        self.sequence = sequence  # a `sequence_parallel.SequenceGroup`: this rank runs 1/N of each row
         head = model.get_output_embeddings()
         if not hasattr(head, LOGPROBS_METHOD):
             setattr(head, LOGPROBS_METHOD, types.MethodType(_output_logprobs, head))
 
     def forward(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs [B, T_max] (right-padded) and the flat entropy [T] (a metric: no gradient)."""
+        """Per-token log-probs [B, T_max] (right-padded) and the flat entropy [T] (a metric: no gradient).
+        Sequence parallel: this rank runs its part of the row, the group's log-probs are gathered."""
+        part, extra = batch, {}
+        if self.sequence is not None:
+            from marsrl_core.learn import sequence_parallel
+
+            part, counts = sequence_parallel.local_part(batch, self.sequence)
+            extra = {"sequence_group": self.sequence.group}
         hidden = self.model.get_decoder()(  # no KV cache: a training forward; with one, transformers ignores packing
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
+            input_ids=part.input_ids,
+            attention_mask=part.attention_mask,
+            position_ids=part.position_ids,
             use_cache=False,
-            **batch.varlen_kwargs(),
+            **part.varlen_kwargs(),
+            **extra,
         )
-        flat = hidden.last_hidden_state.flatten(0, 1)[batch.positions]
+        flat = hidden.last_hidden_state.flatten(0, 1)[part.positions]
         head = getattr(self.model.get_output_embeddings(), LOGPROBS_METHOD)
-        logprobs, entropy = head(flat, batch.targets, self.chunk_tokens, self.temperature)
+        logprobs, entropy = head(flat, part.targets, self.chunk_tokens, self.temperature)
+        if self.sequence is not None:
+            logprobs = sequence_parallel.gather_tokens(logprobs, counts, self.sequence)
+            entropy = sequence_parallel.gather_tokens(entropy.detach(), counts, self.sequence)
         return pad_sequence(list(logprobs.float().split(batch.lengths)), batch_first=True), entropy
