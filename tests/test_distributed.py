@@ -185,6 +185,24 @@ def test_sequence_parallel_ranks_compute_the_one_process_update(setup, nproc, la
     assert diff <= 1e-5
 
 
+def test_the_sequence_parallel_scorer_gives_one_process_log_probs_and_gradients(setup):
+    """`learner.sequence_parallel=2` on two ranks (tests/sequence_parallel_ranks.py): rows whose tokens
+    split unevenly, one whose first half holds no response token, for the tiny model and for one with a
+    single key/value head (repeated for the exchange); log-probs and summed gradients within 1e-5."""
+    kv1 = build_tiny_model(setup["tmp"] / "kv1", hidden_size=64, num_heads=2, num_key_value_heads=1, seed=0)
+    out = setup["tmp"] / "sp-scorer.json"
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "tests" / "sequence_parallel_ranks.py"), str(out), str(setup["folder"]), str(kv1)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    print(json.dumps(results, indent=1))
+    assert len(results) == 4
+    for case, r in results.items():
+        assert r["gradient_scale"] > 1e-3 and r["logprobs"] <= 1e-5 and r["gradients"] <= 1e-5, case
+
+
 def test_a_sharded_checkpoint_is_a_whole_hugging_face_model(setup):
     checkpoint = _trained(setup, "fsdp")
     loaded = AutoModelForCausalLM.from_pretrained(checkpoint / "policy", use_safetensors=True)

@@ -38,5 +38,20 @@ def test_the_gpu_check_runs_without_the_packages_the_gpu_machine_lacks(tmp_path)
     assert run.returncode == 0, output[-3000:]
     for length in (1024, 2048):
         assert f"learner   {length} tokens:" in output, output[-3000:]
+    assert "learner packed 2048 tokens in 8 sequences (sequence_parallel=1, marsrl_varlen_sdpa)" in output
     assert "weight copy learner -> engine:" in output and "decode:" in output
     assert "imported: []" in output  # none of them was reached, not even by a library probing for it
+
+
+def test_the_gpu_checks_packed_step_runs_sequence_parallel_over_its_ranks(tmp_path):
+    """`torchrun --nproc-per-node 2 benchmarks/gpu_check.py --packed`: the padding-free row cut over two
+    ranks (the smoke model has one key/value head: repeated for the exchange), FSDP2 over both."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "benchmarks" / "gpu_check.py"), "--packed", "--smoke"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert "learner packed 2048 tokens in 8 sequences (sequence_parallel=2, marsrl_ulysses_marsrl_varlen_sdpa)" in (
+        output
+    )

@@ -72,6 +72,8 @@ class _ChunkedLogprob(torch.autograd.Function):
                 entropies.append(ent)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.chunk_tokens, ctx.temperature = chunk_tokens, temperature
+        if not logps:  # no position (a sequence-parallel rank whose part of the row holds no response token)
+            logps = entropies = [hidden.new_zeros(0, dtype=torch.float32)]
         entropy = torch.cat(entropies)
         ctx.mark_non_differentiable(entropy)
         return torch.cat(logps), entropy
