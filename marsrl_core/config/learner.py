@@ -74,7 +74,14 @@ class LearnerConfig(_Section):
         "weighs by its share of the tokens.",
     )
     logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens per chunk when computing log-probs and entropy.")
-    micro_batch_tokens: int = Field(16384, ge=1, description="Token budget of one forward/backward micro-batch.")
+    micro_batch_tokens: int = Field(
+        16384,
+        ge=1,
+        description="Token budget of one forward/backward micro-batch (one row when `padding_free`); a step's "
+        "samples are cut into as few as fit, balanced in tokens (verl's dynamic batch size). With "
+        "`sequence_parallel` = N each rank of a sequence group runs 1/N of it, so the budget per rank is "
+        "this / N. A longer sample forms a micro-batch of its own.",
+    )
     padding_free: bool = Field(
         False,
         description="One row per micro-batch: its sequences concatenated, `position_ids` restarting at 0 for "
