@@ -154,6 +154,34 @@ def test_micro_batches_are_as_few_as_fit_and_balanced_in_tokens(seed):
     assert [len(b) for b in pack([items[0], big, items[1]], budget)] == [1, 2]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["flash_attention_2", VARLEN_SDPA])
+def test_padding_free_log_probs_on_cuda_equal_the_padded_ones(folder, attention):
+    """On a GPU in bf16: the padding-free row through FlashAttention-2's variable-length kernel (where
+    `flash_attn` is installed) or the per-sequence kernel gives the padded rows' log-probs and gradients."""
+    if attention == "flash_attention_2":
+        pytest.importorskip("flash_attn", reason="FlashAttention-2 is not installed")
+    cuda = torch.device("cuda")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(cuda)
+    scorer = TokenScorer(model, 4, 1.0)
+    prompts, responses = _sequences()
+    results = []
+    for implementation, free in (("sdpa", False), (attention, True)):
+        model.config._attn_implementation = implementation
+        model.zero_grad(set_to_none=True)
+        logprobs, _ = scorer(PackedBatch.build(prompts, responses, cuda, padding_free=free))
+        mask = torch.zeros_like(logprobs)
+        for row, r in enumerate(responses):
+            mask[row, : len(r)] = 1.0
+        (logprobs * mask).sum().backward()
+        results.append((logprobs * mask, {n: p.grad.float() for n, p in model.named_parameters()}))
+    (padded, padded_grads), (free, free_grads) = results
+    assert torch.allclose(free, padded, atol=3e-2)
+    for name, grad in padded_grads.items():
+        assert torch.allclose(free_grads[name], grad, atol=3e-2, rtol=3e-2), name
+
+
 def test_the_varlen_kernel_refuses_a_batch_that_is_not_one_padding_free_row(folder):
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=VARLEN_SDPA)
     prompts, responses = _sequences()
