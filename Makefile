@@ -44,10 +44,13 @@ train: install
 # learning test: its margins were measured in a fresh process, and after other modules' Prefect test
 # servers have stopped, Prefect's events client logs an error for every task state change (about
 # 650 in one CI run), which changes the timing the pipelined run learns under.
+# The main suite runs on two pytest-xdist workers, each test file on one of them (module fixtures are
+# built once): much of its time is spent waiting on subprocesses (servers starting, kills and resumes,
+# timeouts), which the other worker fills.
 test: $(TEST_STAMP) system-packages
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q --durations=15 -m "not vllm and not learning"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 -m "not vllm and not learning"
 	$(BIN)/python -m pytest -q -m learning
 	$(BIN)/python -m pytest -q -m vllm
 

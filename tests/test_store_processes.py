@@ -43,11 +43,11 @@ def test_two_processes_creating_one_new_store_at_once_both_open_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_writer_and_reader_processes_for_30s(store_paths):
+def test_writer_and_reader_processes_for_15s(store_paths):
     catalog, data = store_paths
     SegmentStore(catalog, data).close()
-    writer = _spawn("writer", catalog, data, RUN, "32")
-    reader = _spawn("reader", catalog, data, RUN, "32")
+    writer = _spawn("writer", catalog, data, RUN, "16")
+    reader = _spawn("reader", catalog, data, RUN, "16")
     w_out, w_err = writer.communicate(timeout=180)
     r_out, r_err = reader.communicate(timeout=180)
     assert writer.returncode == 0, w_err[-2000:]
