@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from marsrl_core.learn import sequence_parallel
 from marsrl_core.learn.algorithms import chunked_logprobs
 
 
@@ -125,8 +126,6 @@ class TokenScorer(torch.nn.Module):
         Sequence parallel: this rank runs its part of the row, the group's log-probs are gathered."""
         part, extra = batch, {}
         if self.sequence is not None:
-            from marsrl_core.learn import sequence_parallel
-
             part, counts = sequence_parallel.local_part(batch, self.sequence)
             extra = {"sequence_group": self.sequence.group}
         hidden = self.model.get_decoder()(  # no KV cache: a training forward; with one, transformers ignores packing

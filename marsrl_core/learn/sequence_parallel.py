@@ -39,7 +39,6 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from marsrl_core.learn.attention import VARLEN_SDPA, varlen_sdpa
-from marsrl_core.learn.scoring import PackedBatch
 
 ULYSSES = "marsrl_ulysses_"  # + the kernel it wraps: the attention implementation of a sequence-parallel learner
 
@@ -79,9 +78,9 @@ def check_heads(config: Any, size: int) -> None:
         )
 
 
-def local_part(batch: PackedBatch, sequence: SequenceGroup) -> tuple[PackedBatch, list[int]]:
-    """This rank's 1/N of a padding-free row (the row padded to a multiple of N by a last sequence of
-    its own), and how many response tokens each rank of the group scores. The row's sequence
+def local_part(batch: Any, sequence: SequenceGroup) -> tuple[Any, list[int]]:
+    """This rank's 1/N of a padding-free row (a `scoring.PackedBatch`, padded to a multiple of N by a
+    last sequence of its own), and how many response tokens each rank of the group scores. The row's sequence
     boundaries (`cu_seqlens`) stay those of the whole row: attention runs over the whole row."""
     if batch.cu_seqlens is None:
         raise ValueError("learner.sequence_parallel > 1 cuts padding-free rows: set learner.padding_free=true")
