@@ -21,7 +21,7 @@ Writes benchmarks/results/long_context.json: `packed_vs_padded_tokens_per_s` (th
 per-repeat ratios), the tokens/s of each, the padded layout's share of padding, the setting, and
 `sp2_vs_sp1_peak_ratio_<K>k` (rank 0's step peak with two ranks over one process's) with the measures
 behind it under `sequence_parallel`. Run: `python benchmarks/long_context.py` (about 10 minutes on 2 CPU
-cores; `--sp-lengths` none skips the memory part).
+cores; `--sp-lengths` with no value skips the memory part).
 
 Deliberate simplifications: the models are small Llama-style ones on the CPU (4 layers of width 256 for
 throughput; 2 layers of width 128, two heads, for the long sequences, whose attention dominates a CPU's
