@@ -344,3 +344,12 @@ def test_an_append_whose_keys_are_stored_writes_nothing_and_says_so(store):
     assert store.append(run, [], [SegmentRow("s1", 1, [6], [-0.4], 1, "stop")], [RewardRow("s1", 0.0)]).written
     assert store.invariants(run) == dict.fromkeys(store.invariants(run), 0)
     assert store.count("segments", run) == 3 and store.count("rewards", run) == 2
+
+
+def test_an_event_is_recorded_once_per_detail(store):
+    """Two tasks that see the same divergence record it once; another detail is another row."""
+    store.create_run("ev", {})
+    for _ in range(2):
+        store.mark("ev", "diverged", "rollout: NaN")
+    store.mark("ev", "diverged", "learner step 2: inf")
+    assert sorted(store.event_details("ev", "diverged")) == ["learner step 2: inf", "rollout: NaN"]

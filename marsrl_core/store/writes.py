@@ -100,9 +100,12 @@ class StoreWrites(StoreConnection):
         )
 
     def mark(self, run_id: str, event: str, detail: str = "") -> None:
-        """Record a run event (e.g. 'rollouts_finished'), visible to every process."""
+        """Record a run event (e.g. 'rollouts_finished'), visible to every process. An event already
+        recorded with the same detail is not recorded again (two tasks that see one divergence record
+        it once)."""
         batch = pa.table({"run_id": [run_id], "event": [event], "detail": [detail]}, schema=ARROW_SCHEMAS["run_events"])
-        self._transaction(lambda c: self._insert(c, "run_events", batch))
+        same = "run_id = ? AND event = ? AND detail = ?"
+        self._transaction(lambda c: self._insert_absent(c, "run_events", batch, same, [run_id, event, detail]))
 
     def rollback_to(self, run_id: str, version: int) -> int:
         """Void the run's committed steps after `version` (see the module docstring); how many. Calling
