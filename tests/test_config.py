@@ -26,6 +26,7 @@ def test_paper_preset_matches_the_paper():
     assert (r.solver_max_tokens, r.verifier_max_tokens, r.corrector_max_tokens) == (65536, 16384, 32768)
     assert cfg.learner.learning_rate == 1e-6 and r.temperature == 0.85
     assert cfg.learner.gradient_checkpointing  # 64K-token samples do not train without it
+    assert cfg.learner.padding_free  # nor, at a useful speed, in padded micro-batches
 
 
 def test_yaml_then_overrides(tmp_path):

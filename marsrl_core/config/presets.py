@@ -26,8 +26,14 @@ PRESETS: dict[str, dict[str, Any]] = {
             # four, trained samples at most 3 versions old (docs/results.md#pipeline-speed-up).
             "batches_in_flight": 3,
         },
-        # Samples of up to 64K tokens: activations recomputed in backward (verl's FSDP workers' default too).
-        "learner": {"learning_rate": 1e-6, "policies": "shared", "gradient_checkpointing": True},
+        # Samples of up to 64K tokens: activations recomputed in backward (verl's FSDP workers' default
+        # too), and padding-free rows, where a padded micro-batch of log-normal lengths is mostly padding.
+        "learner": {
+            "learning_rate": 1e-6,
+            "policies": "shared",
+            "gradient_checkpointing": True,
+            "padding_free": True,
+        },
         # Paper-scale reads (64 samples of up to 64K tokens) pass through the store's process: budget for them.
         "store": {"recycle_after_mb": 1024},
     },
