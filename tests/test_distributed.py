@@ -47,6 +47,10 @@ def _overrides(tmp_path, *extra):
         "learner.learning_rate=1e-3",
         "learner.warmup_steps=0",
         "learner.max_grad_norm=0.5",  # clipping is on: the norm must be the global one
+        # Adam moves a weight by about the learning rate whatever its gradient's size, so a near-zero
+        # gradient, summed in another order by two ranks, would move by a different part of it: a
+        # larger epsilon keeps such updates proportional to the gradient.
+        "learner.adam_epsilon=1e-6",
         "learner.micro_batch_tokens=40",  # several micro-batches per rank, not as many on each
         "learner.collective_timeout_s=120",
         *extra,

@@ -23,6 +23,12 @@ class LearnerConfig(_Section):
     learning_rate: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_epsilon: float = Field(
+        1e-8,
+        gt=0,
+        description="AdamW's epsilon, added to the root of the second moment (TRL's and the HF Trainer's "
+        "`adam_epsilon`). Larger, it damps the update of weights whose gradients are near zero.",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     max_weight_abs: float | None = Field(
         1e4,

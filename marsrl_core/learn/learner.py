@@ -120,7 +120,9 @@ class Learner(LearnerVersions):
             self.autocast = None
         self.optimizers = {  # after sharding: each rank's AdamW holds the state of its own shards
             # fused: one kernel over all parameters, without the parameter-sized temporaries of `foreach`
-            name: torch.optim.AdamW(m.parameters(), lr=lc.learning_rate, weight_decay=lc.weight_decay, fused=True)
+            name: torch.optim.AdamW(
+                m.parameters(), lr=lc.learning_rate, eps=lc.adam_epsilon, weight_decay=lc.weight_decay, fused=True
+            )
             for name, m in self.models.items()
         }
         warmup = lc.warmup_steps
