@@ -59,47 +59,35 @@ QWEN3_SETTINGS = (
     "model.dtype=bfloat16",
 )
 
+# The phases inside a decode-loop stage and inside a learner step (name in the table: phase), each a row;
+# the stage's and the step's time outside them is a row of its own ("the rest").
+STAGE_PARTS = {
+    "weights": "weights",
+    "decode": "decode",
+    "store write": "store_write",
+    "admit": "admit",
+    "rewards": "rewards",
+    "next agents": "advance",
+}
+STEP_PARTS = {
+    "load samples": "load_samples",
+    "forward/backward": "forward_backward",
+    "optimizer": "optimizer",
+    "checkpoint write": "checkpoint_write",
+    "store commit": "store_commit",
+    "MLflow": "tracking",
+}
 # name in the table (its lane first): (the phases it sums, the phases it subtracts)
 ROWS = {
-    "rollout: weights": (["rollout.weights"], []),
-    "rollout: decode": (["rollout.decode"], []),
-    "rollout: store write": (["rollout.store_write"], []),
-    "rollout: admit": (["rollout.admit"], []),
-    "rollout: rewards": (["rollout.rewards"], []),
-    "rollout: next agents": (["rollout.advance"], []),
-    "rollout: stage, the rest": (
-        ["rollout.stage"],
-        [
-            "rollout.weights",
-            "rollout.decode",
-            "rollout.store_write",
-            "rollout.admit",
-            "rollout.rewards",
-            "rollout.advance",
-        ],
-    ),
+    **{f"rollout: {name}": ([f"rollout.{phase}"], []) for name, phase in STAGE_PARTS.items()},
+    "rollout: stage, the rest": (["rollout.stage"], [f"rollout.{phase}" for phase in STAGE_PARTS.values()]),
     "rollout: idle": (["rollout.idle"], []),
     "learner: poll": (["learner.poll"], []),
-    "learner: load samples": (["learner.load_samples"], []),
-    "learner: forward/backward": (["learner.forward_backward"], []),
-    "learner: optimizer": (["learner.optimizer"], []),
+    **{f"learner: {name}": ([f"learner.{phase}"], []) for name, phase in STEP_PARTS.items()},
+    "learner: step, the rest": (["learner.step"], [f"learner.{phase}" for phase in STEP_PARTS.values()]),
     "learner: wait for the durable write": (["learner.durable_wait"], []),
     "learner: durable write (background)": (["learner.durable_write"], []),
-    "learner: checkpoint write": (["learner.checkpoint_write"], []),
-    "learner: store commit": (["learner.store_commit"], []),
-    "learner: MLflow": (["learner.tracking"], []),
     "learner: weight hand-over": (["learner.weight_handover"], []),
-    "learner: step, the rest": (
-        ["learner.step"],
-        [
-            "learner.load_samples",
-            "learner.forward_backward",
-            "learner.optimizer",
-            "learner.checkpoint_write",
-            "learner.store_commit",
-            "learner.tracking",
-        ],
-    ),
     "learner: Prefect task bookkeeping": (["learner.task"], ["learner.step", "learner.weight_handover"]),
     "learner: compaction": (["learner.compact"], []),
     "learner: idle": (["learner.idle"], []),

@@ -12,11 +12,11 @@ parameters and of the AdamW state (`save_rank_shard`); `trainer_state.json` inde
 one per rank). A resume reads only its own rank's file, so it needs the same number of ranks.
 
 A durable version (every `learner.save_every` steps) holds all of the above; the versions between are
-weights-only (`save_weights`: the model folders alone, not fsynced), enough for the engines and an
-evaluation, not for a resume. Either is written to a temporary folder and renamed into place when
-complete, so a folder named `v<v>` is always whole. `add_trainer_state` makes a weights-only folder
-durable in place (the learner's background write): the JSON goes last, so a folder is durable only
-once all of it is on disk.
+weights-only (the model folders alone, not fsynced), enough for the engines and an evaluation, not for
+a resume. `save_version` writes either to a temporary folder and renames it into place when complete,
+so a folder named `v<v>` is always whole. `add_trainer_state` makes a weights-only folder durable in
+place (the learner's background write): the JSON goes last, so a folder is durable only once all of
+it is on disk.
 
 Deliberate simplification: the optimizer is flattened per parameter index; this supports AdamW (and
 any optimizer whose state is tensors and numbers), which is all the learner uses.
@@ -60,51 +60,54 @@ def engine_state(model: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(
+def save_version(
     root: Path,
     version: int,
     models: dict[str, Any],
     tokenizer: Any,
-    optimizers: dict[str, torch.optim.Optimizer],
-    schedulers: dict[str, Any],
-    step: int,
-    save_dtype: torch.dtype | None = None,
+    save_dtype: torch.dtype,
     full_states: dict[str, dict[str, torch.Tensor]] | None = None,
+    trainer: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
     rank_shards: int = 0,
 ) -> Path:
-    """Write everything to a temporary folder, then rename it to `<root>/v<version>`. The model folders
-    hold the weights in `save_dtype` (what the engines load); when the trained weights are of another
-    dtype (fp32 masters under mixed precision), those go into the trainer state, so a resume restores
-    them exactly. A sharded learner: `full_states` are each model's gathered weights in `save_dtype`,
-    its ranks have each written their shard file (`save_rank_shard`, the masters and AdamW state), and
-    `rank_shards` (their number) moves those into the folder."""
+    """Version `<root>/v<version>`, written to a temporary folder and renamed into place when complete.
+
+    The model folders hold the weights in `save_dtype` (what the engines load); a sharded learner's are
+    its gathered `full_states`, already in that dtype. Without `trainer` that is all: a weights-only
+    version, not fsynced (a crash voids it anyway: a resume restarts from the last durable one). With
+    `trainer` (`trainer_state`'s tensors and meta) the version is durable: the trainer state beside the
+    model folders (when the trained weights are of another dtype, fp32 masters under mixed precision,
+    they are in it, so a resume restores them exactly), the `rank_shards` files of a sharded learner's
+    ranks (`save_rank_shard`: their masters and AdamW state) moved in, and all of it fsynced before the
+    rename."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = version_folder(root, version)
     tmp = root / f"tmp-v{version}-{uuid.uuid4().hex[:8]}"
-    tensors, meta = trainer_state(models, optimizers, schedulers, step, save_dtype, sharded=bool(rank_shards))
     for name, model in models.items():
-        if full_states is not None:  # already in save_dtype; the trained weights are in the rank files
+        if full_states is not None:
             _save_pretrained(model, tmp / name, full_states[name], save_dtype)
         else:
             _save_model(model, tmp / name, save_dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp / name)
-    if rank_shards:
-        meta["rank_shards"] = rank_shards
-        meta["rank_files"] = [_shard_file(rank) for rank in range(rank_shards)]  # the index: rank -> its file
+    if trainer is not None and rank_shards:
+        trainer[1]["rank_shards"] = rank_shards
+        trainer[1]["rank_files"] = [_shard_file(rank) for rank in range(rank_shards)]  # the index: rank -> file
         shards = _shard_folder(root, version)
         for rank in range(rank_shards):
             shutil.move(shards / _shard_file(rank), tmp / _shard_file(rank))
         shutil.rmtree(shards)
     crash_point("checkpoint.write")
-    save_file(tensors, str(tmp / STATE_TENSORS))
-    (tmp / STATE_JSON).write_text(json.dumps(meta))
-    _fsync_tree(tmp)  # on disk before the store commit that points at it
+    if trainer is not None:
+        save_file(trainer[0], str(tmp / STATE_TENSORS))
+        (tmp / STATE_JSON).write_text(json.dumps(trainer[1]))
+        _fsync_tree(tmp)  # on disk before the store commit that points at it
     if final.exists():  # a folder left by a step whose store commit never happened
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    if trainer is not None:
+        _fsync_dir(root)
     return final
 
 
@@ -153,33 +156,6 @@ def add_trainer_state(folder: Path, tensors: dict[str, torch.Tensor], meta: dict
     return folder
 
 
-def save_weights(
-    root: Path,
-    version: int,
-    models: dict[str, Any],
-    tokenizer: Any,
-    save_dtype: torch.dtype,
-    full_states: dict[str, dict[str, torch.Tensor]] | None = None,
-) -> Path:
-    """A weights-only version `<root>/v<version>`: the model folders in `save_dtype` (a sharded learner's
-    gathered `full_states`), written to a temporary folder and renamed into place. Not fsynced: a crash
-    voids the version anyway (a resume restarts from the last durable one)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = version_folder(root, version)
-    tmp = root / f"tmp-v{version}-{uuid.uuid4().hex[:8]}"
-    for name, model in models.items():
-        state = full_states[name] if full_states is not None else engine_state(model, save_dtype)
-        _save_pretrained(model, tmp / name, state, save_dtype)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp / name)
-    crash_point("checkpoint.write")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
-
-
 def _optimizer_tensors(name: str, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """An optimizer's tensors (this rank's shards of sharded ones)."""
     from marsrl_core.learn.distributed import local
@@ -215,7 +191,7 @@ def save_rank_shard(
     root: Path, version: int, rank: int, models: dict[str, Any], optimizers: dict[str, torch.optim.Optimizer]
 ) -> None:
     """A sharded learner's rank writes its shards of the trained parameters (fp32 masters under mixed
-    precision) and of the AdamW state for version `version` (rank 0's `save_checkpoint` then moves every
+    precision) and of the AdamW state for version `version` (rank 0's `save_version` then moves every
     rank's file into the checkpoint)."""
     from marsrl_core.learn.distributed import local
 

@@ -29,9 +29,8 @@ from marsrl_core.learn.checkpoint import (
     add_trainer_state,
     engine_state,
     load_checkpoint,
-    save_checkpoint,
     save_rank_shard,
-    save_weights,
+    save_version,
     trainer_state,
 )
 from marsrl_core.learn.checkpoint_folders import (
@@ -186,26 +185,14 @@ class LearnerVersions:
             if not self.ranks.main:
                 return None
         with timed("learner.checkpoint_write"):
-            if not durable:
-                return save_weights(
-                    self.checkpoint_root, self.step, self.models, self.tokenizer, save_dtype, full_states
-                )
-            return save_checkpoint(
-                self.checkpoint_root,
-                self.step,
-                self.models,
-                self.tokenizer,
-                self.optimizers,
-                self.schedulers,
-                self.step,
-                save_dtype=save_dtype,
-                full_states=full_states,
-                rank_shards=shards,
+            trainer = self._trainer_state(sharded=bool(shards)) if durable else None
+            return save_version(
+                self.checkpoint_root, self.step, self.models, self.tokenizer, save_dtype, full_states, trainer, shards
             )
 
-    def _trainer_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+    def _trainer_state(self, sharded: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
         save_dtype = getattr(torch, self.cfg.model.dtype)
-        return trainer_state(self.models, self.optimizers, self.schedulers, self.step, save_dtype)
+        return trainer_state(self.models, self.optimizers, self.schedulers, self.step, save_dtype, sharded)
 
     def wait_for_durable(self) -> None:
         """Before anything changes the trained tensors (the next optimizer update, a rebuild, the run's
