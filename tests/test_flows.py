@@ -262,6 +262,7 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
 
     from flows.train import train_flow
     from marsrl_core.runtime import events
+    from marsrl_core.runtime.context import runtime
     from marsrl_core.store import SegmentStore
 
     cfg = small_config(tmp_path)
@@ -269,6 +270,10 @@ def test_train_flow_runs_rollouts_and_learner_and_evaluates(tmp_path):
     assert result["learner_steps"] == 2 and "solver_acc" in result["after"] and "vc_acc" in result["before"]
     store = SegmentStore.from_config(cfg.store)
     assert store.latest_version("t1")[0] == 2
+    # The learner took every sample it trained from what this process's rollouts stored (in memory).
+    trained = store.query("SELECT count(*) AS n FROM consumptions WHERE learner_step > 0").column("n")[0].as_py()
+    recent = runtime().recent_samples(cfg)
+    assert trained > 0 and (recent.served, recent.fetched) == (trained, 0)
     # Batch 0 always starts; batch 1 only if the learner had not had its two steps yet. Once it has,
     # problems not admitted are dropped and held trajectories end: a batch is marked done only if every
     # one of its problems was decoded, and whatever was started was decoded to its end.

@@ -264,6 +264,13 @@ class StoreConfig(_Section):
         "this long, so a query planned before it (a rollout, the learner, a user's SQL session) still finds "
         "its files; 0 deletes them at once, safe only when nothing else is reading the store.",
     )
+    recent_samples_mb: float = Field(
+        1024.0,
+        ge=0,
+        description="Memory for the samples this process stored and no learner step has consumed yet: a "
+        "learner in the same process loads them from here instead of reading them back from the store "
+        "(`store/recent.py`; the oldest are dropped past this size and read from the store). 0 keeps none.",
+    )
     separate_process: bool = Field(
         True,
         description="Training processes (rollout, learner, train) run the store's DuckDB connection in a "

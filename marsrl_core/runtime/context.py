@@ -37,6 +37,7 @@ from marsrl_core.runtime.memory import MemoryTrimmer
 from marsrl_core.store import SegmentStore, Store
 from marsrl_core.store.lease import LearnerLease
 from marsrl_core.store.process import StoreProcess
+from marsrl_core.store.recent import RecentSamples, RecentStore
 
 if TYPE_CHECKING:
     from marsrl_core.learn.learner import Learner
@@ -51,6 +52,7 @@ class Runtime:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._stores: dict[tuple[str, str, str], Store] = {}
+        self._recent: dict[tuple[str, str], RecentSamples] = {}  # (catalog, data path): shared by the lanes
         self._engines: dict[tuple[str, str, str], BatchingEngine] = {}
         self._learners: dict[str, Learner] = {}
         self.failed_steps: dict[str, int] = {}  # run -> the step that failed last, until one past it commits
@@ -67,7 +69,8 @@ class Runtime:
         """The store `cfg` names: in a child process of its own unless `store.separate_process` is off.
         With a child process, each `lane` has its own ("learner": the learner's; "main": everything
         else, the decode loop among it), so that the learner's calls do not wait for the decode loop's
-        turn (a store process serves one call at a time)."""
+        turn (a store process serves one call at a time). The lanes share the samples this process
+        stored and no step has consumed yet (`store/recent.py`, `store.recent_samples_mb`)."""
         lane = lane if cfg.store.separate_process else "main"
         key = (cfg.store.catalog_url, cfg.store.data_path, lane)
         with self._lock:
@@ -75,8 +78,17 @@ class Runtime:
                 self._trimmer = MemoryTrimmer(cfg.malloc_trim_every_s)
             if key not in self._stores:
                 kind = StoreProcess if cfg.store.separate_process else SegmentStore
-                self._stores[key] = kind.from_config(cfg.store)
+                store = kind.from_config(cfg.store)
+                if cfg.store.recent_samples_mb > 0:
+                    recent = self._recent.setdefault(key[:2], RecentSamples(int(cfg.store.recent_samples_mb * 2**20)))
+                    store = RecentStore(store, recent)
+                self._stores[key] = store
             return self._stores[key]
+
+    def recent_samples(self, cfg: MarsRLConfig) -> RecentSamples | None:
+        """The samples this process stored in `cfg`'s store and no step has consumed yet (None: none kept)."""
+        with self._lock:
+            return self._recent.get((cfg.store.catalog_url, cfg.store.data_path))
 
     def engine(self, cfg: MarsRLConfig, agent: str = "policy") -> BatchingEngine:
         """The engine for `agent` ("policy" when one model serves all agents)."""
@@ -246,6 +258,7 @@ class Runtime:
             self._channels.clear()
             stores = list(self._stores.values())
             self._stores.clear()
+            self._recent.clear()
             self._learners.clear()
             for lease in self._leases.values():
                 lease.release()
