@@ -69,8 +69,7 @@ def record_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> int:
     problems = batch_problems(cfg, batch_index)
     if batch_index == 0:
         store.reject(run_id, training_rejections(cfg))
-    known = store.known_problems(run_id, [p.problem_id for p in problems])
-    return store.add_problems(run_id, [p for p in problems if p.problem_id not in known])
+    return store.add_problems(run_id, problems)
 
 
 def _sync_from_memory(cfg: MarsRLConfig, learner: Any) -> bool:

@@ -22,8 +22,8 @@ half a second), and the next call usually finds it ready.
 A child that has died between calls (the OOM killer's choice, say) is replaced before the next call
 is sent. A child that dies during a call is replaced too, and the call is sent again to the new one,
 where it cannot write anything twice: the reads and maintenance calls write nothing; `mark`,
-`create_run` and `record_evaluation` skip what is already stored (events are only ever asked about by
-presence); the other writes (`append`, `commit_step`, `add_problems`, `reject`), which may or may not
+`create_run`, `add_problems` and `record_evaluation` skip what is already stored (events are only ever
+asked about by presence); the other writes (`append`, `commit_step`, `reject`), which may or may not
 have committed when their child died, go through `SegmentStore.replay`, which writes them only if
 their first row is not stored yet.
 

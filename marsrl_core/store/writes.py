@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from marsrl_core.store.connection import CATALOG, StoreConnection, registered
 from marsrl_core.store.rows import (
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from marsrl_core.store.rows import Rejection, RewardRow, SampleRow, SegmentRow
 
 KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown-id checks
-KEYED_WRITES = frozenset({"append", "commit_step", "add_problems", "reject"})  # those `replay` checks first
+KEYED_WRITES = frozenset({"append", "commit_step", "reject"})  # those `replay` checks first
 
 
 class StoreWrites(StoreConnection):
@@ -69,7 +70,8 @@ class StoreWrites(StoreConnection):
         self._transaction(lambda c: self._insert_absent(c, "runs", batch, "run_id = ?", [run_id]))
 
     def add_problems(self, run_id: str, problems: Iterable[Any]) -> int:
-        """Record problems (objects with problem_id, prompt, answer, source)."""
+        """Record the problems (objects with problem_id, prompt, answer, source) the run has not recorded
+        yet, in one transaction; returns how many were new (so a repeated call writes nothing twice)."""
         rows = list(problems)
         if not rows:
             return 0
@@ -83,8 +85,20 @@ class StoreWrites(StoreConnection):
             },
             schema=ARROW_SCHEMAS["problems"],
         )
-        self._transaction(lambda c: self._insert(c, "problems", batch))
-        return len(rows)
+
+        def body(con: duckdb.DuckDBPyConnection) -> int:
+            with registered(con, "_problems", batch):
+                known = con.execute(
+                    f"SELECT DISTINCT p.problem_id FROM {CATALOG}.problems p JOIN _problems USING (problem_id) "
+                    "WHERE p.run_id = ?",
+                    [run_id],
+                ).fetchall()
+            new = batch.filter(pc.invert(pc.is_in(batch["problem_id"], pa.array([k for (k,) in known], pa.string()))))
+            if new.num_rows:
+                self._insert(con, "problems", new)
+            return new.num_rows
+
+        return self._transaction(body)
 
     def record_evaluation(self, run_id: str, label: str, dataset: str, metrics: dict[str, Any]) -> None:
         """Append one evaluation's metrics (e.g. label 'before' / 'after'); the same row already recorded
@@ -306,8 +320,6 @@ class StoreWrites(StoreConnection):
             table, where, params = key
             sql = f"SELECT count(*) AS n FROM {CATALOG}.{table} WHERE run_id = ? AND {where}"
             if self._read(sql, [given["run_id"], *params]).column("n")[0].as_py():  # it had committed
-                if method == "add_problems":
-                    return len(given["problems"])
                 return AppendResult() if method == "append" else None
         return getattr(self, method)(*args, **kwargs)
 
@@ -316,8 +328,6 @@ class StoreWrites(StoreConnection):
         """(table, condition, parameters) that find the first row `method` writes; None if it writes none."""
         if method == "commit_step":
             return "policy_versions", "version = ? AND checkpoint_uri = ?", [given["step"], given["checkpoint_uri"]]
-        if method == "add_problems" and given["problems"]:
-            return "problems", "problem_id = ?", [given["problems"][0].problem_id]
         if method == "reject" and given["rejections"]:
             r = given["rejections"][0]
             return "rejected_inputs", "source = ? AND location = ? AND reason = ?", [r.source, r.location, r.reason]
