@@ -73,8 +73,10 @@ def learner_flow(
     retries = {"retries": 0} if rt.learner(config, run_id).ranks is not None else {}
     idle_since, finished, wait_s, idle_out = time.monotonic(), False, poll_s, False
     while step < budget and not rt.interrupted(run_id):
-        finished = store.has_event(run_id, events.ROLLOUTS_FINISHED)
-        groups = work.ready_groups(config, run_id, flush=finished)
+        # A flush differs only where no agent has a step's worth, so the rollouts' end is asked only then.
+        groups = work.ready_groups(config, run_id)
+        if not groups and (finished := store.has_event(run_id, events.ROLLOUTS_FINISHED)):
+            groups = work.ready_groups(config, run_id, flush=True)
         if groups:
             with timed("learner.task"):
                 report = train_step.with_options(task_run_name=f"train-step-{step + 1}", **retries)(
