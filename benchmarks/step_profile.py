@@ -10,7 +10,10 @@ that run at once; each lane's phases are listed with their share of the run's wa
   (`learner.async_save`), checkpoint write, store commit, MLflow, weight hand-over, Prefect's
   bookkeeping (the train-step task less the step and the hand-over), compaction, idle; and the
   background durable write itself (a thread beside the step: not part of its time);
-- the store calls by method (a store process serves one call at a time: `lock_wait` is the turn).
+- the store calls by method (a store process serves one call at a time: `lock_wait` is the turn);
+- the CPU seconds of the run's processes by role (`cpu_use.py`: this process, the store processes,
+  Prefect's server) and the share of the machine's cores they kept busy: a run near 100% leaves the
+  pipeline nothing to overlap, and only less work makes it faster.
 
 `--model qwen3-0.6b`: the same on a random-init model of Qwen3-0.6B's shape (28 layers, hidden 1024,
 Qwen3's real tokenizer and vocabulary) with short outputs and `--steps` steps (3), so what a checkpoint
@@ -25,7 +28,8 @@ Run: `python benchmarks/step_profile.py` (tiny, 50 steps, ~1 min), `--model qwen
 `--compare --baseline-ref fb70dfb` (the code before `save_every` and the step profile),
 `--model qwen3-0.6b --compare --baseline learner.save_every=1`; `--set KEY=VALUE` overrides every run.
 Writes `benchmarks/results/step_profile.json`: per model (`tiny`, `qwen3_0_6b`) `wall_s`, `steps`,
-`per_step_s`, `phases` (each phase's `seconds`, `per_step_s`, `count`, `share`) and `store_calls`;
+`per_step_s`, `phases` (each phase's `seconds`, `per_step_s`, `count`, `share`), `store_calls`,
+`cpu_s` (by role) and `cpu_busy_fraction`;
 per comparison `<model>_compare_<baseline>` with `speedup`, both sides' wall-clocks and per-step
 seconds; `solver_only_speedup` for the tiny model against a baseline commit. Figures already in the
 file for other keys are kept.
@@ -46,6 +50,7 @@ CODE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(CODE))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
+from benchmarks import cpu_use  # noqa: E402
 from benchmarks.common import RESULTS, print_rows, write_results  # noqa: E402
 from marsrl_core.config import load_config  # noqa: E402
 from marsrl_core.demo.sft import find_warm_start  # noqa: E402
@@ -114,6 +119,8 @@ DRIVER = """
 import json, os, sys
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 args = json.loads(sys.argv[1])
+sys.path.insert(0, args["benchmarks"])  # this code's benchmarks folder, for `cpu_use` (psutil only)
+import cpu_use
 from marsrl_core.config import load_config
 from flows.train import train_flow
 try:
@@ -122,9 +129,11 @@ except ImportError:  # a baseline older than the phase timings: its wall-clock a
     timings = None
 before = timings.TIMINGS.snapshot() if timings else {}
 cfg = load_config("tiny", None, args["settings"])
+cpu_before = cpu_use.snapshot()
 result = train_flow(cfg, args["tag"], evaluate_before=False, evaluate_after=False)
+cpu = cpu_use.spent(cpu_before, cpu_use.snapshot())
 spent = timings.since(before) if timings else {}
-figures = {"wall": result["train_wall_clock_s"], "steps": result["learner_steps"], "spent": spent}
+figures = {"wall": result["train_wall_clock_s"], "steps": result["learner_steps"], "spent": spent, "cpu": cpu}
 print("STEP_PROFILE " + json.dumps(figures))
 """
 
@@ -149,7 +158,7 @@ def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[s
             qwen3_model(folder)
         settings += [f"model.path={folder}", "sft.enabled=false", *QWEN3_SETTINGS]
     env = {**os.environ, "PYTHONPATH": str(code)}
-    args = json.dumps({"settings": [*settings, *overrides], "tag": tag})
+    args = json.dumps({"settings": [*settings, *overrides], "tag": tag, "benchmarks": str(CODE / "benchmarks")})
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, args], cwd=code, env=env, capture_output=True, text=True, check=False
     )
@@ -160,8 +169,8 @@ def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[s
         )
     result = json.loads(line.removeprefix("STEP_PROFILE "))
     spent = {name: tuple(value) for name, value in result["spent"].items()}
-    result = {"train_wall_clock_s": result["wall"], "learner_steps": result["steps"]}
-    wall, done = result["train_wall_clock_s"], result["learner_steps"]
+    cpu = result["cpu"]
+    wall, done = result["wall"], result["steps"]
     phases = {}
     for name, (plus, minus) in ROWS.items():
         seconds = sum(spent.get(p, (0.0, 0))[0] for p in plus) - sum(spent.get(p, (0.0, 0))[0] for p in minus)
@@ -189,6 +198,8 @@ def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[s
         "wall_s": wall,
         "steps": done,
         "per_step_s": wall / max(1, done),
+        "cpu_s": cpu,
+        "cpu_busy_fraction": cpu_use.busy_fraction(sum(cpu.values()), wall),
         "phases": phases,
         "store_calls": dict(sorted(store_calls.items(), key=lambda kv: -kv[1]["seconds"])),
     }
@@ -204,6 +215,13 @@ def print_profile(title: str, figures: dict) -> None:
         f"({figures['per_step_s'] * 1000:.0f} ms a step)",
         ["phase", "seconds", "ms per step", "of wall-clock"],
         rows,
+    )
+    cpu = [[role, seconds, seconds / figures["wall_s"]] for role, seconds in figures["cpu_s"].items()]
+    print_rows(
+        f"{title}: CPU seconds by process ({cpu_use.cores()} cores busy "
+        f"{100 * figures['cpu_busy_fraction']:.0f}% of the wall-clock)",
+        ["process", "CPU seconds", "cores busy"],
+        cpu,
     )
     calls = [[name, c["count"], c["ms_each"], c["seconds"]] for name, c in figures["store_calls"].items()]
     print_rows(f"{title}: store calls", ["method", "calls", "ms each", "seconds"], calls)
@@ -267,6 +285,10 @@ def main() -> None:
                 "baseline_per_step_s": base / steps,
                 "this_code_per_step_s": new / steps,
                 "this_code_phases": runs["this code"][-1]["phases"],
+                "baseline_cpu_s": [r["cpu_s"] for r in runs["baseline"]],
+                "this_code_cpu_s": [r["cpu_s"] for r in runs["this code"]],
+                "baseline_cpu_busy_fraction": [r["cpu_busy_fraction"] for r in runs["baseline"]],
+                "this_code_cpu_busy_fraction": [r["cpu_busy_fraction"] for r in runs["this code"]],
             }
             if key == "tiny" and args.baseline_ref and not args.baseline:
                 figures["solver_only_speedup"] = base / new
