@@ -12,6 +12,7 @@ import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import duckdb
 import numpy as np
 import psutil
 import pytest
@@ -259,3 +260,17 @@ def test_training_processes_serve_the_store_from_a_child_unless_configured_not_t
     runtime().close()
     time.sleep(0.1)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_training_store_runs_duckdb_on_its_configured_threads_and_the_console_on_every_core(store_paths):
+    local = SegmentStore(*store_paths, threads=1)
+    served = StoreProcess(*store_paths, threads=1)
+    console = SegmentStore(*store_paths, create=False, read_only=True, threads=1)
+    try:
+        setting = "SELECT current_setting('threads') AS n"
+        assert local.query(setting).column("n")[0].as_py() == 1
+        assert served.query(setting).column("n")[0].as_py() == 1  # in the child process
+        assert console.query(setting).column("n")[0].as_py() == duckdb.connect().execute(setting).fetchone()[0]
+    finally:
+        for store in (local, served, console):
+            store.close()

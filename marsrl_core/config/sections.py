@@ -264,6 +264,14 @@ class StoreConfig(_Section):
         "this long, so a query planned before it (a rollout, the learner, a user's SQL session) still finds "
         "its files; 0 deletes them at once, safe only when nothing else is reading the store.",
     )
+    threads: int | None = Field(
+        1,
+        ge=1,
+        description="DuckDB threads of each store connection of a training process (None: one per core; the "
+        "SQL console always uses every core). The store's calls are many small queries and commits, and a "
+        "second thread per call costs more CPU than it saves beside the decode and the learner "
+        "(`benchmarks/step_profile.py --compare --baseline store.threads=2`).",
+    )
     recent_samples_mb: float = Field(
         1024.0,
         ge=0,

@@ -80,11 +80,19 @@ class StoreConnection:
     reads (`guard.py`), so nothing a user types can change the ledger."""
 
     def __init__(
-        self, catalog_url: str, data_path: str, *, max_retries: int = 200, create: bool = True, read_only: bool = False
+        self,
+        catalog_url: str,
+        data_path: str,
+        *,
+        max_retries: int = 200,
+        create: bool = True,
+        read_only: bool = False,
+        threads: int | None = None,
     ):
         self.catalog_url = catalog_url
         self.data_path = data_path
         self.read_only = read_only
+        self.threads = threads
         self.max_retries = max_retries
         self.lock_retries = 0
         self._lock = threading.RLock()
@@ -96,7 +104,7 @@ class StoreConnection:
 
     @classmethod
     def from_config(cls, store_config: Any, **kwargs: Any) -> StoreConnection:
-        return cls(store_config.catalog_url, store_config.data_path, **kwargs)
+        return cls(store_config.catalog_url, store_config.data_path, threads=store_config.threads, **kwargs)
 
     def _connect(self, create: bool) -> duckdb.DuckDBPyConnection:
         kind, _, target = self.catalog_url.partition(":")
@@ -117,6 +125,8 @@ class StoreConnection:
         if self.data_path.startswith(("s3://", "gs://", "http")):
             needed.insert(0, "httpfs")
         con = duckdb.connect()
+        if self.threads is not None and not self.read_only:  # `store.threads`; the SQL console keeps every core
+            con.execute(f"SET threads = {int(self.threads)}")
         if "://" not in self.data_path:
             # DuckDB's external file cache keeps the bytes of every Parquet file a query has read, until
             # memory_limit (80% of RAM). Every append adds files and the rollout and learner re-read the

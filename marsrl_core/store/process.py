@@ -82,6 +82,7 @@ class StoreProcess:
         warmup_calls: int = 100,
         max_retries: int = 200,
         create: bool = True,
+        threads: int | None = None,
     ):
         self.catalog_url = catalog_url
         self.data_path = data_path
@@ -94,6 +95,7 @@ class StoreProcess:
             "data_path": data_path,
             "max_retries": max_retries,
             "create": create,
+            "threads": threads,
         }
         self._lock = threading.RLock()
         self._child: subprocess.Popen | None = None
@@ -112,7 +114,11 @@ class StoreProcess:
     @classmethod
     def from_config(cls, store_config: Any, **kwargs: Any) -> StoreProcess:
         return cls(
-            store_config.catalog_url, store_config.data_path, recycle_after_mb=store_config.recycle_after_mb, **kwargs
+            store_config.catalog_url,
+            store_config.data_path,
+            recycle_after_mb=store_config.recycle_after_mb,
+            threads=store_config.threads,
+            **kwargs,
         )
 
     @property
