@@ -19,8 +19,11 @@
 
 Run: `python benchmarks/pipeline_bench.py` (`--repeats 3` by default; `--set KEY=VALUE` overrides both
 variants, and the results then go to pipeline_variant.json; `--sim-only` runs part 2 alone and keeps
-the file's CPU figures). Writes benchmarks/results/pipeline.json
-with cpu_speedup, cpu_trained_samples_per_s_ratio, cpu_speedup_each_run, cpu_decode_batch_mean,
+the file's CPU figures; `--cpu-only` the pairs alone, keeping the simulated ones). Writes
+benchmarks/results/pipeline.json with cpu_speedup, cpu_trained_samples_per_s_ratio,
+cpu_speedup_each_run, cpu_decode_batch_mean,
+cpu_busy_fraction (each variant's CPU seconds over the cores' time: `cpu_use.py`), cpu_speedup_bound
+(the synchronous wall-clock over the pipelined run's CPU seconds per core: the most overlap could give),
 stale_drop_fraction (the pipelined runs' median of samples dropped untrained over those consumed:
 `work.sample_accounting`), the per-variant figures, sim_speedup_paper_scale (streaming),
 sim_speedup_batch_barrier, sim_paper_scale and the sweeps.
@@ -39,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1]))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
+from benchmarks import cpu_use  # noqa: E402
 from benchmarks.common import RESULTS, print_rows, write_results  # noqa: E402
 from marsrl_core.cli import add_overrides_option  # noqa: E402
 from marsrl_core.config import load_config  # noqa: E402
@@ -66,7 +70,9 @@ def flow_run(root: Path, synchronous: bool, repeat: int, overrides: tuple[str, .
             *overrides,
         ],
     )
+    cpu_before = cpu_use.snapshot()
     result = train_flow(cfg, tag, evaluate_before=False, evaluate_after=False)
+    cpu = cpu_use.spent(cpu_before, cpu_use.snapshot())
     store = SegmentStore.from_config(cfg.store)
 
     def one(sql: str) -> int:
@@ -92,6 +98,8 @@ def flow_run(root: Path, synchronous: bool, repeat: int, overrides: tuple[str, .
         "dropped_stale_samples": one("SELECT count(*) FROM consumptions WHERE run_id = ? AND learner_step < 0"),
         "stale_drop_fraction": result["samples"]["stale_drop_fraction"],
         "decode_batch_mean": result["rollout"]["decode_batch_mean"],
+        "cpu_s": cpu,
+        "cpu_busy_fraction": cpu_use.busy_fraction(sum(cpu.values()), wall),
         "reward_curve": [(r["t"], r["reward"]) for r in rewards],
     }
     store.close()
@@ -132,16 +140,20 @@ def main() -> None:
     parser.add_argument(
         "--sim-only", action="store_true", help="Only the paper-scale simulation; the file's CPU figures are kept."
     )
+    parser.add_argument(
+        "--cpu-only", action="store_true", help="Only the train-flow pairs; the file's simulated figures are kept."
+    )
     add_overrides_option(
         parser, "A config override for both variants (repeatable); results go to pipeline_variant.json."
     )
     args = parser.parse_args()
     overrides = tuple(args.overrides)
     name = "pipeline_variant" if overrides else "pipeline"
-    figures = {} if not args.sim_only else _kept(name)
+    figures = _kept(name) if args.sim_only or args.cpu_only else {}
     if not args.sim_only:
         figures.update(cpu_pairs(args.repeats, overrides))
-    figures.update(simulated())
+    if not args.cpu_only:
+        figures.update(simulated())
     path = write_results(name, figures)
     print(f"wrote {path}")
 
@@ -192,6 +204,17 @@ def cpu_pairs(repeats: int, overrides: tuple[str, ...]) -> dict:
         + ", ".join(f"{x:.2f}x" for x in each)
     )
     print(f"trained samples per second, pipelined / synchronous (median of the pairs): {samples_ratio:.2f}x")
+    # The pipelined run needs at least its CPU seconds over the cores: overlap can give no more than this.
+    bound = sync["wall_clock_s"] * cpu_use.cores() / sum(pipe["cpu_s"].values())
+    print_rows(
+        f"CPU seconds by process, median runs ({cpu_use.cores()} cores)",
+        ["variant", "cores busy", *pipe["cpu_s"]],
+        [
+            [name, f"{100 * r['cpu_busy_fraction']:.0f}%", *[r["cpu_s"].get(k, 0.0) for k in pipe["cpu_s"]]]
+            for name, r in (("synchronous", sync), ("pipelined", pipe))
+        ],
+    )
+    print(f"most a pipelined run doing this work could gain on these cores (synchronous wall / its CPU): {bound:.2f}x")
     figure = plot_reward_curves(runs)
     return {
         "overrides": list(overrides),
@@ -202,6 +225,8 @@ def cpu_pairs(repeats: int, overrides: tuple[str, ...]) -> dict:
         "cpu_repeats": repeats,
         "cpu_speedup_each_run": each,
         "cpu_trained_samples_per_s_ratio": samples_ratio,
+        "cpu_speedup_bound": bound,
+        "cpu_busy_fraction": {"synchronous": sync["cpu_busy_fraction"], "pipelined": pipe["cpu_busy_fraction"]},
         "cpu_synchronous": sync,
         "cpu_pipelined": pipe,
         "cpu_decode_batch_mean": {"synchronous": sync["decode_batch_mean"], "pipelined": pipe["decode_batch_mean"]},
