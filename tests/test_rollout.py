@@ -310,6 +310,12 @@ def test_the_weight_channel_brings_committed_versions_at_the_next_stage(tmp_path
     assert loaded[-1] == (2, {"weights": "of v2"}) and engine.policy_version == 2
     sched.stage()  # the engines hold v2: the published copy is dropped
     assert len(loaded) == 2 and channel._published is None
+    # This process's learner announced v3, then a resume rolled back to v2 (v3 was weights-only and its
+    # folder is gone): the channel forgets v3 and asks the store, which holds v2.
+    channel.committed(3, f"{tmp_path}/ckpt/v3")
+    channel.rolled_back(2)
+    sched.stage()
+    assert len(loaded) == 2 and engine.policy_version == 2
 
 
 def test_a_turn_behind_the_store_stores_nothing_twice_and_its_retry_resumes(tmp_path, tiny):

@@ -11,6 +11,8 @@ runs in this process or elsewhere.
   (or told by `committed`), when newer than the engines', is offered: its published weights if this
   process has them, else its checkpoint folder (one folder for a shared policy, {agent: folder} for
   per-agent ones). A learner in another process or machine is seen this way.
+- `rolled_back(version)`: the run's learner resumed at `version` and voided the later ones: the
+  channel forgets them.
 - `offer(version, weights)`: a version for the engines directly (tests, the simulator); the newest
   offer is kept.
 - `apply(...)`: at a stage boundary, the pending version is loaded into the engines unless an
@@ -47,6 +49,17 @@ class WeightChannel:
         """The learner in this process committed `version` (its folder): the run's newest version."""
         with self._lock:
             self._committed = (version, str(folder))
+
+    def rolled_back(self, version: int) -> None:
+        """The run's learner resumed at `version`, voiding the versions after it (`learner.save_every`):
+        what this channel holds of those is forgotten, so `poll` asks the store again."""
+        with self._lock:
+            if self._committed is not None and self._committed[0] > version:
+                self._committed = None
+            if self._published is not None and self._published[0] > version:
+                self._published = None
+            if self.pending is not None and self.pending[0] > version:
+                self.pending = None
 
     def offer(self, version: int, weights: Any) -> None:
         """Keep `version` if it is newer than what is pending. Safe to call from any thread."""

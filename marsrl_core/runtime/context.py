@@ -207,6 +207,9 @@ class Runtime:
                     ranks=current_ranks(),  # rank 0 of several: the others follow its steps
                 )
                 learner.resume()
+                channel = self._channels.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
+                if channel is not None:  # a resume voids the versions after the last durable one
+                    channel.rolled_back(learner.step)
                 if learner.tracker.resumed:  # the interruption, on the run's MLflow run
                     learner.tracker.log_metrics({"resumed": 1.0}, step=learner.step)
                 self._learners[run_id] = learner
