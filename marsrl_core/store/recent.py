@@ -21,11 +21,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from inspect import signature
 from typing import Any
 
 import numpy as np
 
 from marsrl_core.store.rows import AppendResult, RewardRow, SampleRow, SegmentRow, StoredSample
+from marsrl_core.store.segment_store import SegmentStore
 
 
 @dataclass
@@ -133,16 +135,13 @@ class RecentStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
-    def append(
-        self,
-        run_id: str,
-        samples: Sequence[SampleRow] = (),
-        segments: Sequence[SegmentRow] = (),
-        rewards: Sequence[RewardRow] = (),
-    ) -> AppendResult:
-        result = self.store.append(run_id, samples, segments, rewards)
+    def append(self, run_id: str, *args: Any, **kwargs: Any) -> AppendResult:
+        """The store's `append`; what it wrote is kept."""
+        result = self.store.append(run_id, *args, **kwargs)
         if result.written:
-            self.recent.stored(run_id, samples, segments, rewards)
+            rows = signature(SegmentStore.append).bind(self, run_id, *args, **kwargs)
+            rows.apply_defaults()
+            self.recent.stored(run_id, rows.arguments["samples"], rows.arguments["segments"], rows.arguments["rewards"])
         return result
 
     def load_samples(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, StoredSample]:
@@ -154,16 +153,9 @@ class RecentStore:
         self.recent.fetched += len(rest)
         return found
 
-    def commit_step(
-        self,
-        run_id: str,
-        step: int,
-        consumed: dict[str, Sequence[str]],
-        checkpoint_uri: str,
-        mlflow_run_id: str | None = None,
-        metrics: dict[str, dict[str, float]] | None = None,
-        dropped: dict[str, Sequence[str]] | None = None,
-    ) -> None:
-        self.store.commit_step(run_id, step, consumed, checkpoint_uri, mlflow_run_id, metrics, dropped)
-        spent = [*consumed.values(), *(dropped or {}).values()]
+    def commit_step(self, run_id: str, step: int, consumed: dict[str, Sequence[str]], *args: Any, **kwargs: Any):
+        """The store's `commit_step`; then the samples it consumed or dropped are forgotten."""
+        self.store.commit_step(run_id, step, consumed, *args, **kwargs)
+        dropped = signature(SegmentStore.commit_step).bind(self, run_id, step, consumed, *args, **kwargs).arguments
+        spent = [*consumed.values(), *(dropped.get("dropped") or {}).values()]
         self.recent.forget(run_id, [sid for ids in spent for sid in ids])

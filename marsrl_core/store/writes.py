@@ -87,13 +87,8 @@ class StoreWrites(StoreConnection):
         )
 
         def body(con: duckdb.DuckDBPyConnection) -> int:
-            with registered(con, "_problems", batch):
-                known = con.execute(
-                    f"SELECT DISTINCT p.problem_id FROM {CATALOG}.problems p JOIN _problems USING (problem_id) "
-                    "WHERE p.run_id = ?",
-                    [run_id],
-                ).fetchall()
-            new = batch.filter(pc.invert(pc.is_in(batch["problem_id"], pa.array([k for (k,) in known], pa.string()))))
+            known = self._stored_keys(con, run_id, {"problems": batch["problem_id"].to_pylist()}).get("problems", [])
+            new = batch.filter(pc.invert(pc.is_in(batch["problem_id"], pa.array(known, pa.string()))))
             if new.num_rows:
                 self._insert(con, "problems", new)
             return new.num_rows
@@ -210,7 +205,8 @@ class StoreWrites(StoreConnection):
 
     @staticmethod
     def _stored_keys(con: duckdb.DuckDBPyConnection, run_id: str, keys: dict[str, list[str]]) -> dict[str, list[str]]:
-        """Those of `keys` (table -> keys, as `append` builds them) that the store holds already."""
+        """Those of `keys` (table -> keys: `append`'s sample ids, `sample_id#segment_index` for segments,
+        or problem ids) that the store holds already."""
         found: dict[str, list[str]] = {}
         for table, values in keys.items():
             if not values:
@@ -220,7 +216,8 @@ class StoreWrites(StoreConnection):
                 given = pa.table({"sample_id": list(ids), "segment_index": pa.array(map(int, indices), pa.int32())})
                 columns, label = "sample_id, segment_index", "sample_id || '#' || segment_index"
             else:
-                given, columns, label = key_table("sample_id", values), "sample_id", "sample_id"
+                column = "problem_id" if table == "problems" else "sample_id"
+                given, columns, label = key_table(column, values), column, column
             with registered(con, "_keys", given):
                 rows = con.execute(
                     f"SELECT DISTINCT {label} AS k FROM {CATALOG}.{table} JOIN _keys USING ({columns}) "
