@@ -29,6 +29,8 @@ import numpy as np
 from marsrl_core.store.rows import AppendResult, RewardRow, SampleRow, SegmentRow, StoredSample
 from marsrl_core.store.segment_store import SegmentStore
 
+_APPEND, _COMMIT_STEP = signature(SegmentStore.append), signature(SegmentStore.commit_step)
+
 
 @dataclass
 class _Recent:
@@ -139,7 +141,7 @@ class RecentStore:
         """The store's `append`; what it wrote is kept."""
         result = self.store.append(run_id, *args, **kwargs)
         if result.written:
-            rows = signature(SegmentStore.append).bind(self, run_id, *args, **kwargs)
+            rows = _APPEND.bind(self, run_id, *args, **kwargs)
             rows.apply_defaults()
             self.recent.stored(run_id, rows.arguments["samples"], rows.arguments["segments"], rows.arguments["rewards"])
         return result
@@ -156,6 +158,6 @@ class RecentStore:
     def commit_step(self, run_id: str, step: int, consumed: dict[str, Sequence[str]], *args: Any, **kwargs: Any):
         """The store's `commit_step`; then the samples it consumed or dropped are forgotten."""
         self.store.commit_step(run_id, step, consumed, *args, **kwargs)
-        dropped = signature(SegmentStore.commit_step).bind(self, run_id, step, consumed, *args, **kwargs).arguments
+        dropped = _COMMIT_STEP.bind(self, run_id, step, consumed, *args, **kwargs).arguments
         spent = [*consumed.values(), *(dropped.get("dropped") or {}).values()]
         self.recent.forget(run_id, [sid for ids in spent for sid in ids])
