@@ -125,6 +125,35 @@ def test_stale_groups_are_flagged_outside_the_limit_and_dropped_ones_never_come_
     assert store.query("SELECT sample_id FROM staleness ORDER BY 1").column("sample_id").to_pylist() == fresh
 
 
+def test_a_poll_of_an_unchanged_lake_reuses_its_answer_and_any_commit_renews_it(store, store_paths):
+    """The learner's poll, the newest version and the group counts are asked again only after a commit,
+    whichever connection (process) made it."""
+    other = SegmentStore(*store_paths)
+    try:
+        a = _group(store, "g1")
+        _finish(store, a)
+        first = store.trainable_groups_by_agent(RUN, ["solver"], limit=4)
+        assert store.latest_version(RUN) is None and store.group_counts(RUN)["solver"]["started"] == 1
+        reused = store.answers_reused
+        assert store.trainable_groups_by_agent(RUN, ["solver"], limit=4) == first
+        assert store.latest_version(RUN) is None and store.group_counts(RUN)["solver"]["started"] == 1
+        assert store.answers_reused == reused + 3
+        assert store.trainable_groups_by_agent(RUN, ["solver"], limit=1, min_version=0) == first  # asked anew
+        assert store.answers_reused == reused + 3
+
+        b = _group(other, "g2")  # another connection's commits
+        _finish(other, b)
+        other.commit_step(RUN, 1, {"solver": a}, "ckpt-1")
+        assert [g.group_id for g in store.trainable_groups_by_agent(RUN, ["solver"], limit=4)["solver"]] == ["g2"]
+        assert store.latest_version(RUN) == (1, "ckpt-1")
+        assert store.group_counts(RUN)["solver"] == {"started": 2, "consumed": 1}
+        assert store.answers_reused == reused + 3
+        store.commit_step(RUN, 2, {"solver": b}, "ckpt-2")  # ids the poll returned: known without a read
+        assert store.trainable_groups_by_agent(RUN, ["solver"], limit=4) == {"solver": []}
+    finally:
+        other.close()
+
+
 def test_the_group_limit_can_differ_per_agent(store):
     for i in range(3):
         _finish(store, _group(store, f"s{i}"))

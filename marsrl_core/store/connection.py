@@ -22,7 +22,7 @@ import random
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ from marsrl_core.store.rows import StoreError
 from marsrl_core.store.schema import table_ddl, view_ddl
 
 CATALOG = "lake"
+KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown-id checks
+SNAPSHOT_ANSWERS = 64  # answers kept by `_unless_changed`, one per question asked
 _TRANSIENT = ("database is locked", "conflict", "failed to commit", "busy", "could not serialize")
 
 
@@ -101,6 +103,9 @@ class StoreConnection:
 
     def _setup(self) -> None:
         """State of the parts built on this connection, set before it opens."""
+        self._known_samples: set[tuple[str, str]] = set()  # (run_id, sample_id) seen in the store
+        self._answers: dict[tuple, tuple[int, Any]] = {}  # question -> (snapshot id, answer)
+        self.answers_reused = 0
 
     @classmethod
     def from_config(cls, store_config: Any, **kwargs: Any) -> StoreConnection:
@@ -264,6 +269,32 @@ class StoreConnection:
                         self._con.unregister(name)
 
         return self._retry(attempt)
+
+    def _snapshot_id(self) -> int:
+        """The lake's newest snapshot: DuckLake gives every commit, of any process, a new one."""
+        return self._read(f"SELECT id FROM {CATALOG}.current_snapshot()").column("id")[0].as_py()
+
+    def _unless_changed(self, question: tuple, answer: Callable[[], Any]) -> Any:
+        """`answer()`, or what it returned for the same `question` while the lake's snapshot is still
+        the one it read. The snapshot is read first, so a commit between the two reads only makes the
+        next call ask again. Answers are shared: callers must not change them."""
+        snapshot = self._snapshot_id()
+        kept = self._answers.get(question)
+        if kept is not None and kept[0] == snapshot:
+            self.answers_reused += 1
+            return kept[1]
+        value = answer()
+        if len(self._answers) >= SNAPSHOT_ANSWERS:
+            self._answers.clear()
+        self._answers[question] = (snapshot, value)
+        return value
+
+    def _remember(self, run_id: str, sample_ids: Iterable[str]) -> None:
+        """Cache sample ids known to exist; the cache is dropped when full (a miss costs one query), so a
+        days-long run does not hold every id it ever wrote."""
+        if len(self._known_samples) > KNOWN_SAMPLES_CACHE:
+            self._known_samples.clear()
+        self._known_samples |= {(run_id, sid) for sid in sample_ids}
 
     @staticmethod
     def _insert(con: duckdb.DuckDBPyConnection, table: str, batch: pa.Table) -> None:

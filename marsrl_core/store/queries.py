@@ -86,7 +86,8 @@ class StoreQueries(StoreConnection):
         per agent.
 
         With `min_version`, groups with a segment sampled by an older policy version come back too,
-        flagged `stale` and not counted against `limit` (all of them, so the learner can drop them)."""
+        flagged `stale` and not counted against `limit` (all of them, so the learner can drop them).
+        While no commit has changed the lake since the same poll, its answer is reused (`_unless_changed`)."""
         agent_table = key_table("agent", agents)
         if limit is not None:
             limits = limit if isinstance(limit, Mapping) else {agent: limit for agent in agents}
@@ -123,11 +124,15 @@ class StoreQueries(StoreConnection):
                 FROM flagged){limited}
             ORDER BY agent, stale, position"""
         floor = -1 if min_version is None else int(min_version)
+        caps = None if limit is None else tuple(agent_table["max_groups"].to_pylist())
+        question = ("trainable_groups", run_id, tuple(agents), caps, floor)
+        rows = self._unless_changed(question, lambda: self._read(sql, [run_id, floor], {"_agents": agent_table}))
         found: dict[str, list[TrainableGroup]] = {agent: [] for agent in agents}
-        for r in self._read(sql, [run_id, floor], {"_agents": agent_table}).to_pylist():
+        for r in rows.to_pylist():
             found[r["agent"]].append(
                 TrainableGroup(r["group_id"], r["agent"], r["sample_ids"], int(r["oldest_version"]), bool(r["stale"]))
             )
+            self._remember(run_id, r["sample_ids"])  # the learner's commit checks these ids exist: they do
         return found
 
     def load_samples(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, StoredSample]:
@@ -208,24 +213,22 @@ class StoreQueries(StoreConnection):
 
     def latest_version(self, run_id: str) -> tuple[int, str] | None:
         """The newest committed policy version and its checkpoint, or None before the first step."""
-        rows = self._read(
+        sql = (
             f"SELECT version, checkpoint_uri FROM {CATALOG}.policy_versions WHERE run_id = ? "
-            "ORDER BY version DESC LIMIT 1",
-            [run_id],
-        ).to_pylist()
+            "ORDER BY version DESC LIMIT 1"
+        )
+        rows = self._unless_changed(("latest_version", run_id), lambda: self._read(sql, [run_id])).to_pylist()
         return (rows[0]["version"], rows[0]["checkpoint_uri"]) if rows else None
 
     def group_counts(self, run_id: str) -> dict[str, dict[str, int]]:
         """Per agent: the run's groups started (any sample stored) and consumed (a learner step took them:
         trained, or dropped as stale). The admission gate's reading of the learner's progress."""
-        rows = self._read(
-            f"""SELECT s.agent, count(DISTINCT s.group_id) AS started,
-                       count(DISTINCT s.group_id) FILTER (WHERE c.sample_id IS NOT NULL) AS consumed
-                FROM {CATALOG}.samples s
-                LEFT JOIN {CATALOG}.consumptions c ON c.run_id = s.run_id AND c.sample_id = s.sample_id
-                WHERE s.run_id = ? GROUP BY s.agent""",
-            [run_id],
-        ).to_pylist()
+        sql = f"""SELECT s.agent, count(DISTINCT s.group_id) AS started,
+                         count(DISTINCT s.group_id) FILTER (WHERE c.sample_id IS NOT NULL) AS consumed
+                  FROM {CATALOG}.samples s
+                  LEFT JOIN {CATALOG}.consumptions c ON c.run_id = s.run_id AND c.sample_id = s.sample_id
+                  WHERE s.run_id = ? GROUP BY s.agent"""
+        rows = self._unless_changed(("group_counts", run_id), lambda: self._read(sql, [run_id])).to_pylist()
         return {r["agent"]: {"started": r["started"], "consumed": r["consumed"]} for r in rows}
 
     def invariants(self, run_id: str) -> dict[str, int]:

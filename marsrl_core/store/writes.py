@@ -50,16 +50,11 @@ from marsrl_core.store.schema import ARROW_SCHEMAS
 if TYPE_CHECKING:
     from marsrl_core.store.rows import Rejection, RewardRow, SampleRow, SegmentRow
 
-KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown-id checks
 KEYED_WRITES = frozenset({"append", "commit_step", "reject"})  # those `replay` checks first
 
 
 class StoreWrites(StoreConnection):
     """The writes of `SegmentStore`."""
-
-    def _setup(self) -> None:
-        super()._setup()
-        self._known_samples: set[tuple[str, str]] = set()  # (run_id, sample_id) seen in the store
 
     def create_run(self, run_id: str, config: dict[str, Any]) -> None:
         """Record a run and its config; a run already recorded keeps its row (so a repeated call writes
@@ -344,13 +339,6 @@ class StoreWrites(StoreConnection):
         """Insert `batch` unless `table` has a row matching `where` (inside the caller's transaction)."""
         if con.execute(f"SELECT count(*) FROM {CATALOG}.{table} WHERE {where}", params).fetchone()[0] == 0:
             self._insert(con, table, batch)
-
-    def _remember(self, run_id: str, sample_ids: Iterable[str]) -> None:
-        """Cache sample ids known to exist; the cache is dropped when full (a miss costs one query), so a
-        days-long run does not hold every id it ever wrote."""
-        if len(self._known_samples) > KNOWN_SAMPLES_CACHE:
-            self._known_samples.clear()
-        self._known_samples |= {(run_id, sid) for sid in sample_ids}
 
     def _check_known(self, run_id: str, sample_ids: set[str]) -> None:
         unknown = {sid for sid in sample_ids if (run_id, sid) not in self._known_samples}
