@@ -44,7 +44,7 @@ from marsrl_core.divergence import PolicyDiverged
 from marsrl_core.rollout.samples import agent_of_turn
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
-from tasks.rollout import record_batch, rollout_turn
+from tasks.rollout import rollout_turn
 
 PREPARED_AHEAD = 1  # rollout subflows started beyond `batches_in_flight`: their problems wait in the loop
 MAX_TURNS = 5
@@ -65,10 +65,10 @@ def rollout_flow(
     """Decode one batch; each turn that starts is a task, from its first group's start to its last
     group's end. Returns the turns' samples, finished samples and tokens."""
     config = run_config(config, overrides)
-    record_batch(config, run_id, batch_index)
+    recorded = work.record_batch(config, run_id, batch_index)  # its problems, in the store before any sample
     turns = []
     try:
-        work.start_batch(config, run_id, batch_index)
+        work.start_batch(config, run_id, batch_index, recorded)
         for turn in range(config.rollout.max_turns):
             if not work.turn_starts(config, run_id, batch_index, turn):
                 break  # no problem of the batch reached this turn, so none reaches a later one

@@ -1,5 +1,5 @@
-"""Rollout tasks: record a batch's problems; one agent turn of a batch, from its first group's start
-to its last group's end (the process's decode loop decodes it)."""
+"""The rollout task: one agent turn of a batch, from its first group's start to its last group's end
+(the process's decode loop decodes it)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,6 @@ from prefect.cache_policies import NO_CACHE
 
 from marsrl_core.config import MarsRLConfig
 from marsrl_core.runtime import work
-
-
-@task(name="record-batch", retries=3, retry_delay_seconds=1, cache_policy=NO_CACHE)
-def record_batch(config: MarsRLConfig, run_id: str, batch_index: int) -> int:
-    return work.record_batch(config, run_id, batch_index)
 
 
 @task(name="rollout-turn", cache_policy=NO_CACHE)

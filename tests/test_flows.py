@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
+from marsrl_core import timings
 from marsrl_core.runtime.context import runtime
 from tests.configs import small_config
 
@@ -75,10 +76,13 @@ def test_a_batchs_turn_tasks_span_their_groups_and_overlap_where_the_agents_do(t
     from marsrl_core.store import SegmentStore
 
     cfg = _scripted_run(tmp_path, ["1+1 short", "1+1 long"])
+    before = timings.TIMINGS.snapshot()
     state = rollout_flow(cfg, "r1", 0, return_state=True)
     results = state.result()
+    # The batch's problems were all recorded by this flow: nothing of it could be stored to resume.
+    assert timings.since(before).get("store.samples_of_problems", (0.0, 0))[1] == 0
     tasks = _task_runs(state.state_details.flow_run_id)
-    assert set(tasks) == {"record-batch", "solver-turn0", "verifier-turn1", "corrector-turn2"}
+    assert set(tasks) == {"solver-turn0", "verifier-turn1", "corrector-turn2"}
     solver, verifier = tasks["solver-turn0"], tasks["verifier-turn1"]
     assert verifier.start_time < solver.end_time  # the agents overlapped, and so did their tasks
     store = SegmentStore.from_config(cfg.store)

@@ -57,6 +57,7 @@ class RolloutLoop:
         self._inbox: list[tuple[str, int, list[Problem] | None]] = []  # batch changes for the next boundary
         self._scheduler: Any = None
         self._batches: dict[int, list[Problem]] = {}
+        self._joined: set[int] = set()  # added and not forgotten (under `_changed`)
         self._progress: dict[int, BatchProgress] = {}
         self._admitting = True
         self._stop_when: Callable[[], bool] = lambda: False
@@ -69,13 +70,15 @@ class RolloutLoop:
         self.decode_batch_sizes: list[int] = []  # samples decoded by each stage that decoded
 
     # ------------------------------------------------------------------ batches
-    def add_batch(self, batch: int, problems: Sequence[Problem]) -> None:
+    def add_batch(self, batch: int, problems: Sequence[Problem], new: bool = False) -> None:
         """Batch `batch` joins the loop (at its next stage boundary): what the store holds of it resumes,
-        the rest waits for admission."""
+        the rest waits for admission. `new`: its problems were all recorded just now, so the store holds
+        nothing of it and the resume's query is skipped."""
         problems = list(problems)
         with self._changed:
             self._raise_if_ended()
-            self._inbox.append(("add", batch, problems))
+            self._inbox.append(("add new" if new else "add", batch, problems))
+            self._joined.add(batch)
             self._changed.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
@@ -86,12 +89,13 @@ class RolloutLoop:
         with self._changed:
             self._inbox.append(("forget", batch, None))
             self._progress.pop(batch, None)
+            self._joined.discard(batch)
             self._changed.notify_all()
 
     def joined(self, batch: int) -> bool:
         """Whether batch `batch` has been added (and not forgotten)."""
         with self._changed:
-            return batch in self._progress or any(kind == "add" and b == batch for kind, b, _ in self._inbox)
+            return batch in self._joined
 
     def wait(self, batch: int, until: Callable[[BatchProgress], bool], timeout_s: float | None = None) -> BatchProgress:
         """The batch's progress once `until(progress)` holds (checked after every stage); raises the
@@ -192,10 +196,10 @@ class RolloutLoop:
         with self._changed:
             inbox, self._inbox = self._inbox, []
         for kind, batch, problems in inbox:
-            if kind == "add":
+            if kind.startswith("add"):
                 if self._scheduler is None:
                     self._scheduler = self._make_scheduler()
-                self._scheduler.add_problems(problems, batch)
+                self._scheduler.add_problems(problems, batch, resume=kind == "add")
                 if not self._admitting:
                     self._scheduler.drop_waiting()
                 self._batches[batch] = problems

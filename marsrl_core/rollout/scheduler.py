@@ -167,11 +167,12 @@ class RolloutScheduler:
         """No problem in flight and none waiting for admission."""
         return self.active_problems == 0 and not self.waiting
 
-    def add_problems(self, problems: Iterable[Problem], batch: int | None = None) -> int:
-        """Problems of batch `batch`: those the store holds already are resumed from it (`resume`), the
-        others wait for admission, in order. Returns how many stored samples were restored."""
+    def add_problems(self, problems: Iterable[Problem], batch: int | None = None, resume: bool = True) -> int:
+        """Problems of batch `batch`: those the store holds already are resumed from it (`resume`; False
+        for problems known to have nothing stored), the others wait for admission, in order. Returns how
+        many stored samples were restored."""
         problems = list(problems)
-        restored = self.resume({p.problem_id: p for p in problems}, batch)
+        restored = self.resume({p.problem_id: p for p in problems}, batch) if resume else 0
         self.waiting.extend((batch, p) for p in problems if p.problem_id not in self.states)
         return restored
 

@@ -123,10 +123,12 @@ def rollout_loop(cfg: MarsRLConfig, run_id: str) -> RolloutLoop:
     return runtime().rollout_loop(cfg, run_id, functools.partial(_make_scheduler, cfg, run_id))
 
 
-def start_batch(cfg: MarsRLConfig, run_id: str, batch_index: int) -> None:
+def start_batch(cfg: MarsRLConfig, run_id: str, batch_index: int, recorded: int | None = None) -> None:
     """Batch `batch_index` joins the run's decode loop: stored samples resume, new problems wait to be
-    admitted."""
-    rollout_loop(cfg, run_id).add_batch(batch_index, batch_problems(cfg, batch_index))
+    admitted. `recorded`: how many of its problems `record_batch` recorded just now; all of them means
+    nothing of the batch is stored, and the loop skips the resume's query."""
+    problems = batch_problems(cfg, batch_index)
+    rollout_loop(cfg, run_id).add_batch(batch_index, problems, new=recorded == len(problems))
 
 
 def turn_starts(cfg: MarsRLConfig, run_id: str, batch_index: int, turn: int) -> bool:
