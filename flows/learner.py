@@ -2,7 +2,8 @@
 the step budget, or once the rollouts have finished and nothing is left to train on.
 
 Each poll is a direct question to the process's runtime (`work.ready_groups`, one store query every
-`poll_s`, backing off while idle); a task would cost 50-200 ms of Prefect bookkeeping each time. A
+`poll_s`, backing off while idle, and reused while no commit has changed the lake); a task would cost
+50-200 ms of Prefect bookkeeping each time. A
 step is a `train-step` task that gets the groups the poll found as its argument. The step count is
 read from the runtime's learner after every step, so a step that failed and was retried (by a
 rebuilt learner) still counts once. Every `store.compact_every_steps` versions it compacts the store
