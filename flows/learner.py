@@ -2,18 +2,18 @@
 the step budget, or once the rollouts have finished and nothing is left to train on.
 
 Each poll is a direct question to the process's runtime (`work.ready_groups`, one store query every
-`poll_s`, backing off while idle, and reused while no commit has changed the lake); a task would cost
-50-200 ms of Prefect bookkeeping each time. A
-step is a `train-step` task that gets the groups the poll found as its argument. The step count is
-read from the runtime's learner after every step, so a step that failed and was retried (by a
-rebuilt learner) still counts once. Every `store.compact_every_steps` versions it compacts the store
-(a task), so a days-long run's polls do not slow down with the thousands of small files its commits
-write. It also stops before its next step when its process is stopping (the train flow's rollouts
-were stopped by a signal or failed), so a stopped `marsrl train` does not wait for the idle timeout.
-When the policy diverges (`PolicyDiverged`: a step's update, or a split run's rollouts, found weights or
-log-probs non-finite or absurd) it ends Failed with that one line and publishes nothing more.
-When it ends (not stopped) with `final`, its newest version is made durable (`Learner.make_durable`)
-if `learner.save_every` left it weights-only; a stopped one leaves that to the resume's rollback.
+`poll_s`, backing off while idle, and reused while no commit has changed the lake); a task would
+cost 50-200 ms of Prefect bookkeeping each time. A step is a `train-step` task that gets the groups
+the poll found as its argument. The step count is read from the runtime's learner after every step,
+so a step that failed and was retried (by a rebuilt learner) still counts once. Every
+`store.compact_every_steps` versions it compacts the store (a task), so a days-long run's polls do
+not slow down with the thousands of small files its commits write. It also stops before its next
+step when its process is stopping (the train flow's rollouts were stopped by a signal or failed), so
+a stopped `marsrl train` does not wait for the idle timeout. When the policy diverges
+(`PolicyDiverged`: a step's update, or a split run's rollouts, found weights or log-probs non-finite
+or absurd) it ends Failed with that one line and publishes nothing more. When it ends (not stopped)
+with `final`, its newest version is made durable (`Learner.make_durable`) if `learner.save_every`
+left it weights-only; a stopped one leaves that to the resume's rollback.
 """
 
 from __future__ import annotations

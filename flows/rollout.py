@@ -6,17 +6,18 @@ problem's next agent starts at the first stage boundary after its own inputs are
 A turn's task is the span of its turn in the batch: it is submitted when the turn's first group
 starts and ends when its last group has finished, returning the turn's samples and tokens. Turns
 overlap (a problem's Verifier decodes while another problem's Solver is still going), so the batch's
-tasks overlap in Prefect's timeline; they carry no dependency edge, since Prefect draws one only
-for a task that waits for its upstream to end. A turn no problem reaches has no task.
+tasks overlap in Prefect's timeline; they carry no dependency edge, since Prefect draws one only for
+a task that waits for its upstream to end. A turn no problem reaches has no task.
 
 `run_batches` runs a run's batches as subflows, `batches_in_flight` plus `PREPARED_AHEAD` at a time:
 the decode loop admits waiting problems, oldest batch first, as room frees
 (`rollout.problems_per_batch` x `batches_in_flight` problems in flight) and as the learner's pace
 allows (the admission gate), so the next batch's Solvers start the moment an earlier problem ends
-and its Prefect set-up (~100 ms against a local server) overlaps decoding. The `train` flow and the
-`rollouts` flow (the rollout side of a split run) both use it. Subflows run in threads of their own
-with the calling flow's context (no wrapper task), and are created one at a time: on the local
-server's SQLite, concurrent writes conflict and the client retries the losing request after 2 s.
+and its Prefect set-up (about half a second: `benchmarks/prefect_overhead.py`) overlaps decoding
+where the batches in flight take longer than that. The `train` flow and the `rollouts` flow (the
+rollout side of a split run) both use it. Subflows run in threads of their own with the calling
+flow's context (no wrapper task), and are created one at a time: on the local server's SQLite,
+concurrent writes conflict and the client retries the losing request after 2 s.
 
 When the run's learner has its steps (`stop`), the problems not yet admitted are dropped and the
 batches in flight end with what they have. When the calling flow stops (a signal, Ctrl-C, a batch

@@ -158,6 +158,6 @@ class RecentStore:
     def commit_step(self, run_id: str, step: int, consumed: dict[str, Sequence[str]], *args: Any, **kwargs: Any):
         """The store's `commit_step`; then the samples it consumed or dropped are forgotten."""
         self.store.commit_step(run_id, step, consumed, *args, **kwargs)
-        dropped = _COMMIT_STEP.bind(self, run_id, step, consumed, *args, **kwargs).arguments
-        spent = [*consumed.values(), *(dropped.get("dropped") or {}).values()]
+        given = _COMMIT_STEP.bind(self, run_id, step, consumed, *args, **kwargs).arguments
+        spent = [*consumed.values(), *(given.get("dropped") or {}).values()]
         self.recent.forget(run_id, [sid for ids in spent for sid in ids])
