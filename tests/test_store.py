@@ -94,6 +94,24 @@ def test_groups_of_several_agents_in_one_query_match_one_agent_at_a_time(store):
     assert [g.group_id for g in unlimited["solver"]] == ["s1", "s2"]
 
 
+def test_a_step_takes_the_group_that_started_under_the_oldest_version_first(store):
+    """A group that started under an older policy but finished last comes before the ones that finished
+    first: taking groups by completion, it could wait until it ages past the learner's bound."""
+    young, old = _group(store, "young"), _group(store, "old")
+    store.append(
+        RUN,
+        segments=[SegmentRow(s, 0, [1], [-0.5], 3, "stop") for s in young],
+        rewards=[RewardRow(s, 1.0, True) for s in young],
+    )
+    store.append(
+        RUN,
+        segments=[SegmentRow(s, 0, [1], [-0.5], 1, "stop") for s in old],
+        rewards=[RewardRow(s, 1.0, True) for s in old],
+    )
+    assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == ["old", "young"]
+    assert [g.group_id for g in store.trainable_groups_by_agent(RUN, ["solver"], limit=1)["solver"]] == ["old"]
+
+
 def test_stale_groups_are_flagged_outside_the_limit_and_dropped_ones_never_come_back(store):
     old, fresh, newer = _group(store, "old"), _group(store, "fresh"), _group(store, "newer")
     store.append(

@@ -23,7 +23,7 @@ rollouts) makes the rollouts wait at the first eta + 1 steps' worth.
 The learner's version is read from the store at every stage, the counts when the gate would close (at
 most every `refresh_s`), so the gate sees the steps of a learner in another process; in between it
 adds the groups its own scheduler created.
-A step takes at most `groups_per_step` of an agent, oldest complete first, and fewer when another
+A step takes at most `groups_per_step` of an agent, the oldest policy version first, and fewer when another
 agent made the step ready: the bound counts the groups per step the run's steps have taken on average
 (`per_step`). The one-step floor keeps the learner from waiting on groups that wait on it (a step is
 ready once an agent has `groups_per_step` complete groups); where it is above the bound, an agent's

@@ -71,7 +71,8 @@ class StoreQueries(StoreConnection):
         return rows.column("detail").to_pylist()
 
     def trainable_groups(self, run_id: str, agent: str, limit: int | None = None) -> list[TrainableGroup]:
-        """Complete (every member rewarded), unconsumed groups of `agent`, oldest completion first."""
+        """Complete (every member rewarded), unconsumed groups of `agent`: the oldest policy version
+        first (the group that would age past the learner's bound soonest), then the oldest completion."""
         return self.trainable_groups_by_agent(run_id, [agent], limit)[agent]
 
     def trainable_groups_by_agent(
@@ -120,7 +121,8 @@ class StoreQueries(StoreConnection):
                        coalesce(v.oldest_version, 0) < $2 AS stale
                 FROM complete LEFT JOIN versions v USING (agent, group_id))
             SELECT agent, group_id, sample_ids, oldest_version, stale FROM (
-                SELECT *, row_number() OVER (PARTITION BY agent, stale ORDER BY completed_at, group_id) AS position
+                SELECT *, row_number() OVER (
+                    PARTITION BY agent, stale ORDER BY oldest_version, completed_at, group_id) AS position
                 FROM flagged){limited}
             ORDER BY agent, stale, position"""
         floor = -1 if min_version is None else int(min_version)
