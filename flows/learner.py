@@ -1,15 +1,13 @@
 """The learner flow: polls the store, trains as complete groups arrive, publishes versions; stops at
 the step budget, or once the rollouts have finished and nothing is left to train on.
 
-Each poll is a direct question to the process's runtime (`work.ready_groups`, one store query, reused
-while no commit has changed the lake); a task would cost 50-200 ms of Prefect bookkeeping each time.
-Between two polls an idle learner waits until this process's rollouts complete a group
-(`work.wait_for_groups`) or `poll_s` passes, backing off to `MAX_IDLE_POLL_S` while nothing comes
-(a learner in a process of its own learns of groups by the timeout alone). A step is a `train-step`
-task that gets the groups the poll found as its argument. The step count is read from the runtime's
-learner after every step, so a step that failed and was retried (by a rebuilt learner) still counts
-once. Every `store.compact_every_steps` versions it compacts the store (a task), so a days-long
-run's polls do not slow down with the thousands of small files its commits write. It also stops before its next
+Each poll is a direct question to the process's runtime (`work.ready_groups`, one store query every
+`poll_s`, backing off while idle, and reused while no commit has changed the lake); a task would
+cost 50-200 ms of Prefect bookkeeping each time. A step is a `train-step` task that gets the groups
+the poll found as its argument. The step count is read from the runtime's learner after every step,
+so a step that failed and was retried (by a rebuilt learner) still counts once. Every
+`store.compact_every_steps` versions it compacts the store (a task), so a days-long run's polls do
+not slow down with the thousands of small files its commits write. It also stops before its next
 step when its process is stopping (the train flow's rollouts were stopped by a signal or failed), so
 a stopped `marsrl train` does not wait for the idle timeout. When the policy diverges
 (`PolicyDiverged`: a step's update, or a split run's rollouts, found weights or log-probs non-finite
@@ -77,7 +75,6 @@ def learner_flow(
     idle_since, finished, wait_s, idle_out = time.monotonic(), False, poll_s, False
     while step < budget and not rt.interrupted(run_id):
         # A flush differs only where no agent has a step's worth, so the rollouts' end is asked only then.
-        seen = work.groups_completed(config)
         groups = work.ready_groups(config, run_id)
         if not groups and (finished := store.has_event(run_id, events.ROLLOUTS_FINISHED)):
             groups = work.ready_groups(config, run_id, flush=True)
@@ -104,7 +101,7 @@ def learner_flow(
             break
         else:  # idle: back off, so a learner waiting for rollouts queries the store less often
             with timed("learner.idle"):
-                work.wait_for_groups(config, seen, wait_s)
+                time.sleep(wait_s)
             wait_s = min(wait_s * 1.5, max(poll_s, MAX_IDLE_POLL_S))
     if rt.interrupted(run_id):  # no checkpoint upload either: a SIGKILL may follow the SIGTERM soon
         say(f"learner stopped at step {step} of {budget}: its process is stopping")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
 
@@ -102,22 +99,3 @@ def test_a_write_the_store_refused_is_not_kept_and_memory_stays_within_its_size(
     kept = sorted(small.recent.take(RUN, ids))
     assert kept == ids[-len(kept) :]  # the newest are kept
     assert sorted(small.load_samples(RUN, ids)) == ids  # the others come from the store
-
-
-def test_a_waiting_learner_wakes_when_a_group_completes_and_not_before(stores):
-    """`wait_for_groups` returns once every member of a group has its reward stored, from another
-    thread's append; a reward that leaves the group incomplete lets it wait out its timeout."""
-    _, recent = stores
-    recent.append(RUN, samples=[_sample(f"s{i}") for i in range(4)])  # one group of 4
-    done = [SegmentRow(f"s{i}", 0, [1], [-0.1], 0, "stop") for i in range(4)]
-    seen = recent.recent.groups_completed
-    recent.append(RUN, segments=done[:3], rewards=[RewardRow(f"s{i}", 1.0, True) for i in range(3)])
-    start = time.monotonic()
-    assert recent.recent.wait_for_groups(seen, timeout_s=0.3) == seen  # three of four: still waiting
-    assert time.monotonic() - start >= 0.3
-    last = threading.Timer(0.2, lambda: recent.append(RUN, segments=done[3:], rewards=[RewardRow("s3", 0.0, True)]))
-    last.start()
-    start = time.monotonic()
-    assert recent.recent.wait_for_groups(seen, timeout_s=30) == seen + 1
-    assert time.monotonic() - start < 10  # woken by the append, not by the timeout
-    last.join()

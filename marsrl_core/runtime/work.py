@@ -8,8 +8,7 @@ one to the next goes through the store.
 - `start_batch`, `turn_starts`, `rollout_turn`, `end_batch`: batch `b` in the run's decode loop
   (`rollout/loop.py`): it joins, a turn's first group starts, a turn's last group finishes, the batch
   ends (and is marked done, so a resumed run skips it).
-- `ready_groups(cfg, run_id, flush)`: the groups a learner step would take now (the learner flow's poll);
-  `groups_completed`, `wait_for_groups`: what an idle learner waits on between two polls.
+- `ready_groups(cfg, run_id, flush)`: the groups a learner step would take now (the learner flow's poll).
 - `train_step(cfg, run_id, groups)`: one learner step on those groups (or on what is ready).
 - `evaluate`, `log_reward_curves`, `log_timeline`, `compact`: evaluation before/after, MLflow's reward
   curves and timeline, and store maintenance.
@@ -18,7 +17,6 @@ one to the next goes through the store.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -177,24 +175,6 @@ def ready_groups(cfg: MarsRLConfig, run_id: str, flush: bool = False) -> list[Tr
     `marsrl_core.learn.groups.ready_groups`). One store query."""
     with timed("learner.poll"):
         return _ready_groups(runtime().learner(cfg, run_id), flush=flush)
-
-
-def groups_completed(cfg: MarsRLConfig) -> int:
-    """How many groups this process's rollouts have completed in `cfg`'s store so far (0 when the
-    process keeps no recent samples); see `wait_for_groups`."""
-    recent = runtime().recent_samples(cfg)
-    return 0 if recent is None else recent.groups_completed
-
-
-def wait_for_groups(cfg: MarsRLConfig, seen: int, timeout_s: float) -> None:
-    """Wait until this process's rollouts complete a group after `seen` (`groups_completed`), or
-    `timeout_s`: an idle learner beside its rollouts polls again the moment it may find a step's worth,
-    and one in a process of its own (no rollouts here) after `timeout_s`."""
-    recent = runtime().recent_samples(cfg)
-    if recent is None:
-        time.sleep(timeout_s)
-    else:
-        recent.wait_for_groups(seen, timeout_s)
 
 
 class StepFailedAgain(RuntimeError):

@@ -11,9 +11,6 @@ process (a split run's learner has nothing here), or dropped for room. A step's 
 the samples it consumed or dropped; at most `max_bytes` of arrays are kept, the oldest samples
 dropped first.
 
-It also counts the groups whose every member's reward this process stored (`groups_completed`), so a
-learner in the same process waits for the next one (`wait_for_groups`) instead of polling blind.
-
 The store stays the one source of truth for what is ready and what is consumed: the learner's poll
 and its commit still go to the store; memory only spares the step reading back what this process
 wrote a moment before (`benchmarks/step_profile.py`: the learner's `load_samples` store call).
@@ -80,10 +77,6 @@ class RecentSamples:
         self.served = self.fetched = 0  # samples `RecentStore.load_samples` took from memory, from the store
         self._samples: dict[str, _Recent] = {}  # insertion order: the oldest first
         self._lock = threading.Lock()
-        self.groups_completed = 0  # groups whose last member's reward an append stored (see `wait_for_groups`)
-        self._group_of: dict[str, str] = {}  # a stored sample's group, until its reward is stored
-        self._unrewarded: dict[str, int] = {}  # per group: members whose reward is not stored yet
-        self._completed = threading.Condition(self._lock)
 
     def stored(
         self, run_id: str, samples: Sequence[SampleRow], segments: Sequence[SegmentRow], rewards: Sequence[RewardRow]
@@ -91,9 +84,6 @@ class RecentSamples:
         """Keep what one committed `append` wrote."""
         with self._lock:
             for s in samples:
-                if s.sample_id not in self._group_of:
-                    self._group_of[s.sample_id] = s.group_id
-                    self._unrewarded.setdefault(s.group_id, s.group_size)
                 prompt = np.asarray(s.prompt_tokens, dtype=np.int64)
                 self._samples[s.sample_id] = _Recent(run_id, s, prompt, nbytes=prompt.nbytes)
                 self.nbytes += prompt.nbytes
@@ -106,34 +96,12 @@ class RecentSamples:
                 recent.segments[g.segment_index] = (tokens, logprobs, int(g.policy_version), g.finish_reason)
                 recent.nbytes += tokens.nbytes + logprobs.nbytes
                 self.nbytes += tokens.nbytes + logprobs.nbytes
-            completed = self.groups_completed
             for r in rewards:
-                self._count_reward(r.sample_id)
                 recent = self._samples.get(r.sample_id)
                 if recent is not None and recent.run_id == run_id:
                     recent.reward = (float(np.float32(r.reward)), r.parsed)
             while self.nbytes > self.max_bytes and self._samples:
                 self._drop(next(iter(self._samples)))
-            if self.groups_completed > completed:
-                self._completed.notify_all()
-
-    def wait_for_groups(self, seen: int, timeout_s: float) -> int:
-        """Wait until more than `seen` groups have completed (`groups_completed`: every member's reward
-        stored by this process's appends), or `timeout_s`; the count then. A learner in the same process
-        waits here between polls, so it polls as soon as a group it could train on is stored. Groups
-        whose sample rows another process stored never count: its learner waits the timeout out."""
-        with self._completed:
-            self._completed.wait_for(lambda: self.groups_completed > seen, timeout_s)
-            return self.groups_completed
-
-    def _count_reward(self, sample_id: str) -> None:
-        group = self._group_of.pop(sample_id, None)
-        if group not in self._unrewarded:  # a sample stored before this process kept any, or a group counted
-            return
-        self._unrewarded[group] -= 1
-        if self._unrewarded[group] == 0:
-            del self._unrewarded[group]
-            self.groups_completed += 1
 
     def take(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, StoredSample]:
         """Those of `sample_ids` that memory holds whole, rebuilt as the store's `load_samples` would."""
