@@ -54,7 +54,8 @@ class RolloutLoop:
         self.max_restarts, self.idle_s, self.stop_check_s = max_restarts, idle_s, stop_check_s
         self._lock = threading.RLock()  # the scheduler: stages, batch changes, a rebuild
         self._changed = threading.Condition()  # progress, error, the inbox
-        self._inbox: list[tuple[str, int, list[Problem] | None]] = []  # batch changes for the next boundary
+        # Batch changes for the next boundary: (kind, batch, its problems, whether the store may hold some of it)
+        self._inbox: list[tuple[str, int, list[Problem] | None, bool]] = []
         self._scheduler: Any = None
         self._batches: dict[int, list[Problem]] = {}
         self._joined: set[int] = set()  # added and not forgotten (under `_changed`)
@@ -77,7 +78,7 @@ class RolloutLoop:
         problems = list(problems)
         with self._changed:
             self._raise_if_ended()
-            self._inbox.append(("add new" if new else "add", batch, problems))
+            self._inbox.append(("add", batch, problems, not new))
             self._joined.add(batch)
             self._changed.notify_all()
             if self._thread is None:
@@ -87,7 +88,7 @@ class RolloutLoop:
     def forget_batch(self, batch: int) -> None:
         """The batch's flow is done with it: the loop lets go of its problems."""
         with self._changed:
-            self._inbox.append(("forget", batch, None))
+            self._inbox.append(("forget", batch, None, False))
             self._progress.pop(batch, None)
             self._joined.discard(batch)
             self._changed.notify_all()
@@ -122,7 +123,7 @@ class RolloutLoop:
     def stop_admitting(self) -> None:
         """Drop the problems not admitted yet (at the next stage boundary), and in batches added later."""
         with self._changed:
-            self._inbox.append(("stop", -1, None))
+            self._inbox.append(("stop", -1, None, False))
             self._changed.notify_all()
 
     @property
@@ -195,11 +196,11 @@ class RolloutLoop:
         """Apply the batch changes asked for since the last stage (under `_lock`)."""
         with self._changed:
             inbox, self._inbox = self._inbox, []
-        for kind, batch, problems in inbox:
-            if kind.startswith("add"):
+        for kind, batch, problems, resume in inbox:
+            if kind == "add":
                 if self._scheduler is None:
                     self._scheduler = self._make_scheduler()
-                self._scheduler.add_problems(problems, batch, resume=kind == "add")
+                self._scheduler.add_problems(problems, batch, resume=resume)
                 if not self._admitting:
                     self._scheduler.drop_waiting()
                 self._batches[batch] = problems
