@@ -180,7 +180,7 @@ def test_the_group_limit_can_differ_per_agent(store):
     assert {agent: [g.group_id for g in groups] for agent, groups in listed.items()} == {
         "solver": ["s0"],
         "verifier": ["v0", "v1"],
-    }  # oldest completion first, each agent to its own limit
+    }  # oldest first, each agent to its own limit
     assert [len(g) for g in store.trainable_groups_by_agent(RUN, ["solver", "verifier"], limit=2).values()] == [2, 2]
 
 
@@ -188,7 +188,6 @@ def test_reads_of_a_batch_are_filtered_to_its_problems(store):
     store.add_problems(
         RUN, [type("P", (), dict(problem_id=p, prompt="q", answer="1", source="t"))() for p in ("a", "b")]
     )
-    assert store.known_problems(RUN, ["b", "c"]) == {"b"}
     store.append(
         RUN,
         samples=[

@@ -199,20 +199,6 @@ class StoreQueries(StoreConnection):
             {"_ids": ids},
         ).to_pylist()
 
-    def known_problems(self, run_id: str, problem_ids: Sequence[str]) -> set[str]:
-        """Which of these problem ids the run has recorded already."""
-        ids = key_table("problem_id", problem_ids)
-        return set(
-            self._read(
-                f"SELECT DISTINCT p.problem_id FROM {CATALOG}.problems p JOIN _ids USING (problem_id) "
-                "WHERE p.run_id = ?",
-                [run_id],
-                {"_ids": ids},
-            )
-            .column("problem_id")
-            .to_pylist()
-        )
-
     def latest_version(self, run_id: str) -> tuple[int, str] | None:
         """The newest committed policy version and its checkpoint, or None before the first step."""
         sql = (
