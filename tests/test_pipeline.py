@@ -153,7 +153,7 @@ def test_a_failed_stage_resumes_from_the_store_and_repeated_failures_reach_the_w
 
 class _LateLearner:
     """A scripted learner: it starts `delay_s` late, then every `step_s` commits a step that takes up to
-    its groups-per-step of the oldest complete groups of each agent (as the learner's poll does)."""
+    its groups-per-step of the complete groups of each agent that the learner's poll ranks first."""
 
     def __init__(self, store, cfg, delay_s: float, step_s: float, steps: int):
         self.store, self.cfg, self.delay_s, self.step_s, self.steps = store, cfg, delay_s, step_s, steps
