@@ -126,6 +126,31 @@ def test_groups_older_than_max_trained_age_are_dropped_untrained_while_fresh_one
     assert store.trainable_groups(RUN, "verifier") == [] and ready_groups(learner, flush=True) == []
 
 
+def test_a_step_takes_every_group_the_next_step_would_find_stale_beyond_its_count(folder, tmp_path):
+    from marsrl_core.learn.groups import ready_groups
+
+    cfg = _cfg(tmp_path, max_trained_age=1, groups_per_step=1, downstream_groups_per_step=1)
+    store = SegmentStore.from_config(cfg.store)
+    learner, engine = _learner(cfg, store, folder, tmp_path)
+    verifier = sample_groups(engine, store, RUN, "verifier", "V|1+2|", groups=3, size=2, reward_fn=digit_fraction)
+    solver = sample_groups(engine, store, RUN, "solver", "S|1|", groups=2, size=2, reward_fn=digit_fraction)
+    # Step 1 trains version-0 groups at age 0; step 2 would still find them fresh: one of each agent.
+    first = ready_groups(learner)
+    assert sorted(g.agent for g in first) == ["solver", "verifier"]
+    learner.train_step(first)
+    # Step 2 trains the rest at age 1 (= max_trained_age); step 3 would find them stale: all of them come.
+    second = ready_groups(learner)
+    assert sorted(g.group_id for g in second if g.agent == "verifier") == sorted(
+        g.group_id for g in verifier if g.group_id not in {f.group_id for f in first}
+    )
+    assert [g.group_id for g in second if g.agent == "solver"] == [solver[1].group_id]
+    assert not any(g.stale for g in second)
+    learner.train_step(second)
+    assert store.trainable_groups(RUN, "verifier") == []
+    ages = store.query("SELECT max(staleness) AS age FROM staleness").column("age").to_pylist()
+    assert ages == [1]
+
+
 def test_downstream_agents_can_take_more_groups_per_step_than_the_solver(folder, tmp_path):
     from marsrl_core.learn.groups import ready_groups
 

@@ -26,9 +26,11 @@ adds the groups its own scheduler created.
 A step takes at most `groups_per_step` of an agent, the oldest policy version first, and fewer when another
 agent made the step ready: the bound counts the groups per step the run's steps have taken on average
 (`per_step`). The one-step floor keeps the learner from waiting on groups that wait on it (a step is
-ready once an agent has `groups_per_step` complete groups); where it is above the bound, an agent's
-groups can be older than eta when trained. So can a group that decodes for longer than the learner
-takes to train the rest. The learner's `stale_groups` handles both.
+ready once an agent has `groups_per_step` complete groups); where it is above the bound, or where the
+steps take fewer of an agent than `per_step`, the learner's side keeps the bound: a step takes along
+every complete group that the next step would find older than eta (`learn.groups.ready_groups`). A
+group still decoding when it is eta versions old is trained older; the learner's `stale_groups`
+handles it.
 
 Deliberate simplification: with several rollout processes for one run each adds only its own groups
 between two reads of the store.

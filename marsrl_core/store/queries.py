@@ -87,7 +87,9 @@ class StoreQueries(StoreConnection):
         per agent.
 
         With `min_version`, groups with a segment sampled by an older policy version come back too,
-        flagged `stale` and not counted against `limit` (all of them, so the learner can drop them).
+        flagged `stale` and not counted against `limit` (all of them, so the learner can drop them), and
+        so do all fresh groups whose oldest version is `min_version`: the next step would find them
+        stale, so the learner takes them now beyond its count.
         While no commit has changed the lake since the same poll, its answer is reused (`_unless_changed`)."""
         agent_table = key_table("agent", agents)
         if limit is not None:
@@ -95,7 +97,11 @@ class StoreQueries(StoreConnection):
             agent_table = agent_table.append_column(
                 "max_groups", pa.array([int(limits[agent]) for agent in agents], pa.int64())
             )
-        limited = " JOIN _agents USING (agent) WHERE stale OR position <= max_groups" if limit is not None else ""
+        limited = (
+            " JOIN _agents USING (agent) WHERE stale OR position <= max_groups OR oldest_version = $2"
+            if limit is not None
+            else ""
+        )
         sql = f"""
             WITH members AS (
                 SELECT s.agent, s.group_id, s.sample_id, s.group_size, r.created_at AS done_at
