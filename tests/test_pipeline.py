@@ -203,3 +203,44 @@ def test_the_gate_holds_a_late_learners_backlog_to_max_trained_age(tmp_path, gat
     else:
         assert ages["oldest"] > eta
     assert_exactly_once(store, RUN)
+
+
+def test_a_commit_wakes_an_idle_decode_loop_that_the_gate_holds(tmp_path, monkeypatch):
+    """The gate holds the rollouts for a learner that commits a step and calls `wake()`, as the process's
+    learner does: the idle loop goes on at once. Its back-off is made ten minutes here, so a loop that
+    waited it out would miss the test's one-minute deadline."""
+    monkeypatch.setattr("marsrl_core.rollout.loop.MAX_IDLE_S", 600.0)
+    cfg = _cfg(tmp_path, max_turns=1, problems_per_batch=8, batches_in_flight=1)
+    cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"groups_per_step": 2})})
+    store = SegmentStore.from_config(cfg.store)
+    engine = ScriptedEngine(lambda prompt: "Answer: 1")
+    gate = AdmissionGate(store, RUN, cfg.learner.groups_per_step_by_agent(), 0, refresh_s=600.0)
+    loop = RolloutLoop(
+        lambda: RolloutScheduler(
+            cfg, store, RUN, engine, engine.tokenizer, ROLES, weights=WeightChannel(store, RUN), gate=gate
+        ),
+        idle_s=600.0,
+    )
+    done, version = threading.Event(), 0
+    loop.add_batch(0, _problems(8))
+
+    def learner():
+        nonlocal version
+        while not done.is_set():
+            groups = store.trainable_groups_by_agent(RUN, AGENTS, limit=cfg.learner.groups_per_step_by_agent())
+            if ids := {agent: [s for g in gs for s in g.sample_ids] for agent, gs in groups.items() if gs}:
+                version += 1
+                store.commit_step(RUN, version, ids, f"ckpt/{version}")
+                loop.wake()
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=learner, daemon=True)
+    thread.start()
+    try:
+        assert loop.wait(0, lambda p: p.ended, timeout_s=60).complete
+    finally:
+        done.set()
+        thread.join(timeout=10)
+        loop.close()
+    assert gate.closed_reads > 0 and version >= 3  # the gate held the loop between steps
+    assert_exactly_once(store, RUN)

@@ -21,7 +21,8 @@ started under, whatever the learner's speed. A late learner (a learner process t
 rollouts) makes the rollouts wait at the first eta + 1 steps' worth.
 
 The learner's version is read from the store at every stage, the counts when the gate would close (at
-most every `refresh_s`), so the gate sees the steps of a learner in another process; in between it
+most every `refresh_s`, and at once when the learner's version has moved since the last read: a step
+is what consumes groups), so the gate sees the steps of a learner in another process; in between it
 adds the groups its own scheduler created.
 A step takes at most `groups_per_step` of an agent, the oldest policy version first, and fewer when another
 agent made the step ready: the bound counts the groups per step the run's steps have taken on average
@@ -59,6 +60,7 @@ class AdmissionGate:
         self.consumed: Counter[str] = Counter()  # and its consumed ones
         self._local_at_read: Counter[str] = Counter()  # the scheduler's own stored groups at that read
         self._read_at: float | None = None
+        self._version_at_read = 0  # the learner's version when the counts were read
         self.closed_reads = 0  # reads that found the gate closed
 
     def room(self, agent: str, groups: int, created: Counter[str], stored: Counter[str], engine_version: int) -> bool:
@@ -68,7 +70,8 @@ class AdmissionGate:
         holds says no."""
         if self._open(agent, groups, created, engine_version):
             return True
-        if self._read_at is not None and time.monotonic() - self._read_at < self.refresh_s:
+        recent = self._read_at is not None and time.monotonic() - self._read_at < self.refresh_s
+        if recent and self.learner_version == self._version_at_read:
             return False
         self.read(stored)
         if self._open(agent, groups, created, engine_version):
@@ -96,7 +99,7 @@ class AdmissionGate:
         self.started = Counter({agent: c["started"] for agent, c in counts.items()})
         self.consumed = Counter({agent: c["consumed"] for agent, c in counts.items()})
         self._local_at_read = Counter(stored)
-        self._read_at = time.monotonic()
+        self._read_at, self._version_at_read = time.monotonic(), self.learner_version
 
     def backlog(self, created: Counter[str]) -> dict[str, int]:
         """Per agent: groups started and not yet consumed, by what the gate knows."""

@@ -8,7 +8,9 @@ k's Verifiers and Correctors. Whoever waits on a batch (`wait`) is woken after e
 batch's `BatchProgress`; the flows' turn tasks wait there for their turn to finish.
 
 When nothing can be decoded (the admission gate holds every waiting problem, or nothing is left), the
-loop waits between stages, from `idle_s` growing to half a second, instead of spinning. Once
+loop waits between stages, from `idle_s` growing to half a second, instead of spinning; `wake()` (the
+process's learner committed a version, which may make room at the gate and brings new weights) ends
+the wait at once. Once
 `stop_when()` says so (the run's learner has its steps) the problems not yet admitted are dropped, so
 the batches in flight end with what they have. A stage that fails (an engine or store error,
 `RolloutBehindStore`) is retried by a new scheduler resumed from the store (nothing stored is decoded
@@ -65,6 +67,7 @@ class RolloutLoop:
         self._stop_checked = 0.0
         self._error: BaseException | None = None
         self._closed = False
+        self._woken = False  # `wake()` since the last idle wait
         self._thread: threading.Thread | None = None
         self.stages = 0
         self.restarts = 0
@@ -91,6 +94,13 @@ class RolloutLoop:
             self._inbox.append(("forget", batch, None, False))
             self._progress.pop(batch, None)
             self._joined.discard(batch)
+            self._changed.notify_all()
+
+    def wake(self) -> None:
+        """A new policy version was committed in this process: an idle loop runs its next stage now (the
+        gate may admit again, and the engines take the version) instead of at the end of its back-off."""
+        with self._changed:
+            self._woken = True
             self._changed.notify_all()
 
     def joined(self, batch: int) -> bool:
@@ -184,13 +194,15 @@ class RolloutLoop:
             idle_stages = min(idle_stages + 1, 20) if idle else 0
             if idle:  # nothing to decode (done, or the gate holds every waiting problem): back off
                 with self._changed:
-                    if self._inbox:
+                    if self._inbox or self._woken:
+                        self._woken = False
                         continue
                     if not self._batches:  # no batch left: the thread ends, the next add_batch starts one
                         self._thread = None
                         return
                     with timed("rollout.idle"):
                         self._changed.wait(min(self.idle_s * 1.5**idle_stages, MAX_IDLE_S))
+                    self._woken = False
 
     def _take_inbox(self) -> None:
         """Apply the batch changes asked for since the last stage (under `_lock`)."""

@@ -126,6 +126,14 @@ class Runtime:
                 loop = self._loops[key] = RolloutLoop(make_scheduler, interrupted=interrupted)
             return loop
 
+    def wake_rollouts(self, cfg: MarsRLConfig, run_id: str) -> None:
+        """The run's learner in this process committed a version: its decode loop here, if any, looks
+        at the gate and the weights now (`RolloutLoop.wake`)."""
+        with self._lock:
+            loop = self._loops.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
+        if loop is not None:
+            loop.wake()
+
     def checker(self, cfg: MarsRLConfig, run_id: str) -> OutcomeChecker:
         """The run's outcome checker in this process (`agents/outcomes.py`: `outcome.workers` processes,
         each check cut at `outcome.timeout_s`), shared by its rollouts and evaluations until

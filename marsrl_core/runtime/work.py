@@ -220,6 +220,7 @@ def train_step(
             per_agent = cfg.learner.policies == "per_agent"
             weights = {a: learner.state_dict(a) for a in AGENTS} if per_agent else learner.state_dict("solver")
             rt.weight_channel(cfg, run_id).publish(report.step, weights)
+    rt.wake_rollouts(cfg, run_id)  # after the publish, so an idle decode loop takes the weights from memory
     return {"step": report.step, "checkpoint": str(report.checkpoint), "metrics": report.metrics}
 
 
