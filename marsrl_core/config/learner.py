@@ -138,7 +138,12 @@ class LearnerConfig(_Section):
         description="Several learner ranks: seconds a collective waits before the step fails (a rank that "
         "died or hangs must not hang the run).",
     )
-    groups_per_step: int = Field(4, ge=1, description="Complete groups (per agent) consumed by one learner step.")
+    groups_per_step: int = Field(
+        4,
+        ge=1,
+        description="Complete groups (per agent) consumed by one learner step; a step also takes every "
+        "complete group that the next step would find older than `max_trained_age`.",
+    )
     downstream_groups_per_step: int | None = Field(
         None,
         ge=1,
