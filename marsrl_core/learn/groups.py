@@ -22,20 +22,20 @@ def ready_groups(learner: Learner, flush: bool = False) -> list[TrainableGroup]:
     run short of its steps.
 
     A step also takes, beyond its count, every complete group that is due: one the next step would find
-    older than `max_trained_age`. So a group complete by the step at which it is `max_trained_age`
-    versions old is trained at that age at most, however many of its agent the admission gate let
-    start at once (its one-step floor) or how few of that agent the steps before took.
+    older than `max_trained_age` (the poll returns them past its limit). So a group complete by the step
+    at which it is `max_trained_age` versions old is trained at that age at most, however many of its
+    agent the admission gate let start at once (its one-step floor) or how few of that agent the steps
+    before took.
 
     With `learner.stale_groups='correct'` stale groups are trained on (with decoupled PPO's correction):
     a step takes an agent's fresh groups first, then fills its count with stale ones, the newest first;
     the other stale groups wait for a later step."""
     per_agent, bound = learner.cfg.learner.groups_per_step_by_agent(), learner.cfg.learner.max_trained_age
-    oldest_fresh = None if bound is None else learner.step - bound  # older is stale; this version is due
     by_agent = learner.store.trainable_groups_by_agent(
-        learner.run_id, AGENTS, limit=per_agent, min_version=oldest_fresh
+        learner.run_id, AGENTS, limit=per_agent, min_version=None if bound is None else learner.step - bound
     )
     if learner.cfg.learner.stale_groups == "correct":
-        return _with_stale(by_agent, per_agent, flush, oldest_fresh)
+        return _with_stale(by_agent, per_agent, flush)
     fresh = {agent: [g for g in groups if not g.stale] for agent, groups in by_agent.items()}
     if flush and not any(fresh.values()):
         return [replace(g, stale=False) for agent, groups in by_agent.items() for g in groups[-per_agent[agent] :]]
@@ -45,14 +45,13 @@ def ready_groups(learner: Learner, flush: bool = False) -> list[TrainableGroup]:
 
 
 def _with_stale(
-    by_agent: dict[str, list[TrainableGroup]], per_agent: dict[str, int], flush: bool, oldest_fresh: int | None
+    by_agent: dict[str, list[TrainableGroup]], per_agent: dict[str, int], flush: bool
 ) -> list[TrainableGroup]:
     chosen = {}
     for agent, groups in by_agent.items():
-        fresh = [g for g in groups if not g.stale]
+        fresh = [g for g in groups if not g.stale]  # the step's count, or more where more are due
         stale = sorted((g for g in groups if g.stale), key=lambda g: g.oldest_version, reverse=True)
-        due = sum(g.oldest_version == oldest_fresh for g in fresh)
-        chosen[agent] = (fresh + stale)[: max(per_agent[agent], due)]
+        chosen[agent] = (fresh + stale)[: max(per_agent[agent], len(fresh))]
     if not flush and all(len(groups) < per_agent[agent] for agent, groups in chosen.items()):
         return []
     return [g for groups in chosen.values() for g in groups]
