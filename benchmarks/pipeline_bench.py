@@ -2,15 +2,15 @@
 
 1. On this CPU, for real: the train flow that `make train` runs (`flows.train.train_flow`: rollout
    subflows feeding one decode loop, `batches_in_flight` at once, beside the learner flow; DuckLake
-   store, MLflow, Prefect) against the same flow with `rollout.synchronous=true` (what `marsrl ablate
-   synchronous` runs: each batch decoded whole, then trained on, then the next). Both start from the
-   tiny preset's committed warm start with the same seed and step budget, evaluation off; the clock is
-   the flow's `train_wall_clock_s` (first rollout to the learner's last step). Runs alternate, so load on
-   this shared machine hits both alike; the figures are medians. A step holds what is ready when the
-   learner takes it, so the variants' steps differ in size: besides the wall-clock to the same steps
-   (`cpu_speedup`) it reports trained samples per second (`cpu_trained_samples_per_s_ratio`, the fairer
-   figure), the engine's mean decode batch and each pair's training reward against wall-clock
-   (`benchmarks/results/pipeline_reward.png`).
+   store, MLflow, Prefect's server as `marsrl train` starts it) against the same flow with
+   `rollout.synchronous=true` (what `marsrl ablate synchronous` runs: each batch decoded whole, then
+   trained on, then the next). Both start from the tiny preset's committed warm start with the same seed
+   and step budget, evaluation off; the clock is the flow's `train_wall_clock_s` (first rollout to the
+   learner's last step). Runs alternate, so load on this shared machine hits both alike; the figures are
+   medians. A step holds what is ready when the learner takes it, so the variants' steps differ in size:
+   besides the wall-clock to the same steps (`cpu_speedup`) it reports trained samples per second
+   (`cpu_trained_samples_per_s_ratio`, the fairer figure), the engine's mean decode batch and each
+   pair's training reward against wall-clock (`benchmarks/results/pipeline_reward.png`).
 2. At paper scale, `marsrl_core/rollout/simulate.py` (the real scheduler, gate and learner readiness
    rule on a simulated engine and clock; its docstring states the assumptions): synchronous, the
    per-batch turn barrier and the shipped streaming rule side by side, to the same trained samples, with
@@ -53,6 +53,7 @@ from marsrl_core.store import SegmentStore  # noqa: E402
 
 def flow_run(root: Path, synchronous: bool, repeat: int, overrides: tuple[str, ...]) -> dict:
     """One train-flow run of `make train`'s configuration, without the evaluations."""
+    from flows.server import local_server
     from flows.train import train_flow
 
     tag = f"{'sync' if synchronous else 'pipe'}{repeat}"
@@ -70,9 +71,10 @@ def flow_run(root: Path, synchronous: bool, repeat: int, overrides: tuple[str, .
             *overrides,
         ],
     )
-    cpu_before = cpu_use.snapshot()
-    result = train_flow(cfg, tag, evaluate_before=False, evaluate_after=False)
-    cpu = cpu_use.spent(cpu_before, cpu_use.snapshot())
+    with local_server():  # the Prefect server `marsrl train` runs against, one per run
+        cpu_before = cpu_use.snapshot()
+        result = train_flow(cfg, tag, evaluate_before=False, evaluate_after=False)
+        cpu = cpu_use.spent(cpu_before, cpu_use.snapshot())
     store = SegmentStore.from_config(cfg.store)
 
     def one(sql: str) -> int:

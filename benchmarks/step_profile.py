@@ -128,10 +128,12 @@ try:
 except ImportError:  # a baseline older than the phase timings: its wall-clock alone
     timings = None
 before = timings.TIMINGS.snapshot() if timings else {}
+from flows.server import local_server  # the Prefect server `marsrl train` runs against
 cfg = load_config("tiny", None, args["settings"])
-cpu_before = cpu_use.snapshot()
-result = train_flow(cfg, args["tag"], evaluate_before=False, evaluate_after=False)
-cpu = cpu_use.spent(cpu_before, cpu_use.snapshot())
+with local_server():
+    cpu_before = cpu_use.snapshot()
+    result = train_flow(cfg, args["tag"], evaluate_before=False, evaluate_after=False)
+    cpu = cpu_use.spent(cpu_before, cpu_use.snapshot())
 spent = timings.since(before) if timings else {}
 figures = {"wall": result["train_wall_clock_s"], "steps": result["learner_steps"], "spent": spent, "cpu": cpu}
 print("STEP_PROFILE " + json.dumps(figures))

@@ -4,10 +4,21 @@ With no Prefect API configured (no `PREFECT_API_URL` in the environment or the p
 starts a temporary server of its own on the first flow run and stops it at exit, from an `atexit`
 hook. A process killed with SIGKILL (the OOM killer, a scheduler's hard stop) runs no hook, and that
 server lives on. So `local_server()` starts the server itself, with Prefect's own command (`prefect
-server start`, the API without background services or the UI, on a free port of 127.0.0.1), asks
-the kernel to kill it when this process dies (Linux `PR_SET_PDEATHSIG`), waits for its health check,
-and points this process's Prefect settings at it for the block (`temporary_settings`, so the flows'
-threads, which copy the calling context, see it too).
+server start`, without the UI, on a free port of 127.0.0.1), asks the kernel to kill it when this
+process dies (Linux `PR_SET_PDEATHSIG`), waits for its health check, and points this process's
+Prefect settings at it for the block (`temporary_settings`, so the flows' threads, which copy the
+calling context, see it too).
+
+Its services (`SERVER_SERVICES`): those that record what the flows report run, the others do not.
+A Prefect 3 task run reaches the database only through its state events, which the task run recorder
+writes, so a server without it (`--no-services`) shows flow runs with no tasks. By default the
+recorder writes each event in a transaction of its own; on SQLite, a write that lands between another
+request's read and its write fails that request ("database is locked", HTTP 503), and the client sends
+it again after 2 s, then 4 s. Rollout subflows were created late so, several times a run, while the
+decode loop had no batch to decode; the recorder here writes up to 25 events at a time, at least every
+second (`docs/benchmarks.md`). The loop services (deployment schedules, late and lost runs, worker
+health, pauses, automations) serve deployments and workers, which a server living for one command has
+none of.
 
 A configured API (a `prefect server start` the user runs, Prefect Cloud) is used as it is.
 
@@ -34,6 +45,25 @@ import httpx
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
+# Environment of the server: services on (the recorders) or off (the loops), and the recorder's batching.
+SERVER_SERVICES = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "25",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "1",
+    **{
+        f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false"
+        for name in (
+            "SCHEDULER",
+            "LATE_RUNS",
+            "FOREMAN",
+            "CANCELLATION_CLEANUP",
+            "PAUSE_EXPIRATIONS",
+            "REPOSSESSOR",
+            "TRIGGERS",
+            "CLEANUP_RECONCILER",
+        )
+    },
+}
 STARTUP_TIMEOUT_S = 180.0  # a busy 2-core machine has taken over 20 s (Prefect's own temporary-server limit)
 PR_SET_PDEATHSIG = 1
 
@@ -63,11 +93,11 @@ def local_server(timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[str | None]:
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     errors = tempfile.TemporaryFile()  # a file, not a pipe: a pipe nobody reads would fill and block the server
     server = subprocess.Popen(
-        [*command, "--no-services", "--no-ui", "--log-level", "ERROR"],
+        [*command, "--no-ui", "--log-level", "ERROR"],
         stdout=subprocess.DEVNULL,
         stderr=errors,
         preexec_fn=_die_with_parent,
-        env={**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+        env={**os.environ, **SERVER_SERVICES},
     )
     try:
         _wait_until_healthy(server, errors, url, timeout_s)
