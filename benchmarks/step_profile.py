@@ -31,7 +31,7 @@ Writes `benchmarks/results/step_profile.json`: per model (`tiny`, `qwen3_0_6b`) 
 `per_step_s`, `phases` (each phase's `seconds`, `per_step_s`, `count`, `share`), `store_calls`,
 `cpu_s` (by role) and `cpu_busy_fraction`;
 per comparison `<model>_compare_<baseline>` with `speedup`, both sides' wall-clocks and per-step
-seconds; `solver_only_speedup` for the tiny model against a baseline commit. Figures already in the
+seconds; `solver_only_speedup` for the tiny model against `--baseline-ref fb70dfb`. Figures already in the
 file for other keys are kept.
 """
 
@@ -63,6 +63,9 @@ QWEN3_SETTINGS = (
     "learner.groups_per_step=2",
     "model.dtype=bfloat16",
 )
+
+# `solver_only_speedup` is this code against the code before `learner.save_every` and the step profile.
+SOLVER_ONLY_BASELINE = "fb70dfb"
 
 # The phases inside a decode-loop stage and inside a learner step (name in the table: phase), each a row;
 # the stage's and the step's time outside them is a row of its own ("the rest").
@@ -292,7 +295,7 @@ def main() -> None:
                 "baseline_cpu_busy_fraction": [r["cpu_busy_fraction"] for r in runs["baseline"]],
                 "this_code_cpu_busy_fraction": [r["cpu_busy_fraction"] for r in runs["this code"]],
             }
-            if key == "tiny" and args.baseline_ref and not args.baseline:
+            if key == "tiny" and args.baseline_ref == SOLVER_ONLY_BASELINE and not args.baseline:
                 figures["solver_only_speedup"] = base / new
             print(
                 f"{args.model}, {steps} steps, medians of {args.repeats}: baseline {base:.1f} s, "
