@@ -14,11 +14,11 @@ A Prefect 3 task run reaches the database only through its state events, which t
 writes, so a server without it (`--no-services`) shows flow runs with no tasks. By default the
 recorder writes each event in a transaction of its own; on SQLite, a write that lands between another
 request's read and its write fails that request ("database is locked", HTTP 503), and the client sends
-it again after 2 s, then 4 s. Rollout subflows were created late so, several times a run, while the
-decode loop had no batch to decode; the recorder here writes up to 25 events at a time, at least every
-second (`docs/benchmarks.md`). The loop services (deployment schedules, late and lost runs, worker
-health, pauses, automations) serve deployments and workers, which a server living for one command has
-none of.
+it again after 2 s, then 4 s. A rollout subflow's creation meets this a few times in a 50-step
+Solver-only run, and the decode loop can run out of batches meanwhile. The recorder here writes up to
+25 events at a time, at least every second, so its writes are fewer (`docs/benchmarks.md`). The loop
+services (deployment schedules, late and lost runs, worker health, pauses, automations) serve
+deployments and workers, which a server living for one command has none of.
 
 A configured API (a `prefect server start` the user runs, Prefect Cloud) is used as it is.
 
