@@ -125,13 +125,13 @@ args = json.loads(sys.argv[1])
 sys.path.insert(0, args["benchmarks"])  # this code's benchmarks folder, for `cpu_use` (psutil only)
 import cpu_use
 from marsrl_core.config import load_config
+from flows.server import local_server  # the Prefect server `marsrl train` runs against
 from flows.train import train_flow
 try:
     from marsrl_core import timings
 except ImportError:  # a baseline older than the phase timings: its wall-clock alone
     timings = None
 before = timings.TIMINGS.snapshot() if timings else {}
-from flows.server import local_server  # the Prefect server `marsrl train` runs against
 cfg = load_config("tiny", None, args["settings"])
 with local_server():
     cpu_before = cpu_use.snapshot()

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-# A `marsrl` command in a process of its own: Prefect's events worker is one per process, bound to
-# the first API it sends to, so the check runs where no other test's server came first.
+# A `marsrl` command in a process of its own, whose first Prefect API is its own server. Run in the
+# pytest process after other tests' servers, the task's state events did not reach this server (the
+# cause inside Prefect's events client was not traced), so the check runs as a command does.
 COMMAND = """
 import json, sys, time
 from prefect import flow, get_client, task
