@@ -13,11 +13,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from marsrl_core.store.connection import CATALOG, StoreConnection
 from marsrl_core.store.invariants import invariants_sql
 from marsrl_core.store.rows import StoredSample, StoreError, TrainableGroup, key_table
+from marsrl_core.store.run_index import RunIndex, load_sql
 from marsrl_core.store.schema import ARROW_SCHEMAS
 
 
@@ -82,65 +82,22 @@ class StoreQueries(StoreConnection):
         limit: int | Mapping[str, int] | None = None,
         min_version: int | None = None,
     ) -> dict[str, list[TrainableGroup]]:
-        """`trainable_groups` of several agents (at most `limit` each, or `limit[agent]`) in one query:
-        the learner polls this, so it scans the run's samples, rewards and consumptions once, not once
-        per agent.
+        """`trainable_groups` of several agents (at most `limit` each, or `limit[agent]`): the learner's
+        poll.
 
         With `min_version`, groups with a segment sampled by an older policy version come back too,
         flagged `stale` and not counted against `limit` (all of them, so the learner can drop them), and
         so do all fresh groups whose oldest version is `min_version`: the next step would find them
         stale, so the learner takes them now beyond its count.
-        While no commit has changed the lake since the same poll, its answer is reused (`_unless_changed`)."""
-        agent_table = key_table("agent", agents)
+        Answered from the run's index (`run_index.py`), as the SQL in `tests/test_run_index.py` would."""
+        limits = None
         if limit is not None:
             limits = limit if isinstance(limit, Mapping) else {agent: limit for agent in agents}
-            agent_table = agent_table.append_column(
-                "max_groups", pa.array([int(limits[agent]) for agent in agents], pa.int64())
-            )
-        limited = (
-            " JOIN _agents USING (agent) WHERE stale OR position <= max_groups OR oldest_version = $2"
-            if limit is not None
-            else ""
-        )
-        sql = f"""
-            WITH members AS (
-                SELECT s.agent, s.group_id, s.sample_id, s.group_size, r.created_at AS done_at
-                FROM {CATALOG}.samples s JOIN _agents USING (agent)
-                LEFT JOIN (SELECT sample_id, min(created_at) AS created_at FROM {CATALOG}.rewards
-                           WHERE run_id = $1 GROUP BY sample_id) r USING (sample_id)
-                WHERE s.run_id = $1),
-            consumed AS (SELECT DISTINCT sample_id FROM {CATALOG}.consumptions c JOIN _agents USING (agent)
-                         WHERE c.run_id = $1),
-            complete AS (
-                SELECT agent, group_id, list(sample_id ORDER BY sample_id) AS sample_ids, max(done_at) AS completed_at
-                FROM members
-                GROUP BY agent, group_id
-                HAVING count(done_at) = any_value(group_size)
-                   AND count(*) FILTER (WHERE sample_id IN (SELECT sample_id FROM consumed)) = 0),
-            versions AS (
-                SELECT c.agent, c.group_id, min(g.policy_version) AS oldest_version
-                FROM (SELECT agent, group_id, unnest(sample_ids) AS sample_id FROM complete) c
-                JOIN {CATALOG}.segments g ON g.run_id = $1 AND g.sample_id = c.sample_id
-                GROUP BY c.agent, c.group_id),
-            flagged AS (
-                SELECT complete.*, coalesce(v.oldest_version, 0) AS oldest_version,
-                       coalesce(v.oldest_version, 0) < $2 AS stale
-                FROM complete LEFT JOIN versions v USING (agent, group_id))
-            SELECT agent, group_id, sample_ids, oldest_version, stale FROM (
-                SELECT *, row_number() OVER (
-                    PARTITION BY agent, stale ORDER BY oldest_version, completed_at, group_id) AS position
-                FROM flagged){limited}
-            ORDER BY agent, stale, position"""
         floor = -1 if min_version is None else int(min_version)
-        caps = None if limit is None else tuple(agent_table["max_groups"].to_pylist())
-        question = ("trainable_groups", run_id, tuple(agents), caps, floor)
-        rows = self._unless_changed(question, lambda: self._read(sql, [run_id, floor], {"_agents": agent_table}))
-        found: dict[str, list[TrainableGroup]] = {agent: [] for agent in agents}
-        for r in rows.to_pylist():
-            found[r["agent"]].append(
-                TrainableGroup(r["group_id"], r["agent"], r["sample_ids"], int(r["oldest_version"]), bool(r["stale"]))
-            )
-            self._remember(run_id, r["sample_ids"])  # the learner's commit checks these ids exist: they do
+        found = self._index(run_id).trainable(agents, limits, floor)
+        for groups in found.values():
+            for group in groups:
+                self._remember(run_id, group.sample_ids)  # the learner's commit checks these ids exist: they do
         return found
 
     def load_samples(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, StoredSample]:
@@ -207,28 +164,39 @@ class StoreQueries(StoreConnection):
 
     def latest_version(self, run_id: str) -> tuple[int, str] | None:
         """The newest committed policy version and its checkpoint, or None before the first step."""
-        sql = (
-            f"SELECT version, checkpoint_uri FROM {CATALOG}.policy_versions WHERE run_id = ? "
-            "ORDER BY version DESC LIMIT 1"
-        )
-        rows = self._unless_changed(("latest_version", run_id), lambda: self._read(sql, [run_id])).to_pylist()
-        return (rows[0]["version"], rows[0]["checkpoint_uri"]) if rows else None
+        return self._index(run_id).latest
 
     def group_counts(self, run_id: str) -> dict[str, dict[str, int]]:
         """Per agent: the run's groups started (any sample stored) and consumed (a learner step took them:
         trained, or dropped as stale). The admission gate's reading of the learner's progress."""
-        sql = f"""SELECT s.agent, count(DISTINCT s.group_id) AS started,
-                         count(DISTINCT s.group_id) FILTER (WHERE c.sample_id IS NOT NULL) AS consumed
-                  FROM {CATALOG}.samples s
-                  LEFT JOIN {CATALOG}.consumptions c ON c.run_id = s.run_id AND c.sample_id = s.sample_id
-                  WHERE s.run_id = ? GROUP BY s.agent"""
-        rows = self._unless_changed(("group_counts", run_id), lambda: self._read(sql, [run_id])).to_pylist()
-        return {r["agent"]: {"started": r["started"], "consumed": r["consumed"]} for r in rows}
+        return self._index(run_id).group_counts()
 
     def invariants(self, run_id: str) -> dict[str, int]:
         """The run's exactly-once invariants (`store/invariants.py`): offending keys per invariant, all 0
         in a healthy run."""
         return {k: int(v) for k, v in self._read(invariants_sql(CATALOG), [run_id]).to_pylist()[0].items()}
+
+    def _index(self, run_id: str) -> RunIndex:
+        """The run's index at the lake's newest snapshot (`run_index.py`)."""
+        with self._using():
+            return self.indexes.current(run_id, self._lake_snapshot(), self._read, lambda: self._load_index(run_id))
+
+    def _load_index(self, run_id: str) -> RunIndex:
+        """A new index of the run, read at one snapshot (one read transaction)."""
+
+        def attempt() -> RunIndex:
+            with self._using():
+                self._con.execute("BEGIN TRANSACTION")
+                try:
+                    snapshot = self._con.execute(f"SELECT id FROM {CATALOG}.current_snapshot()").fetchone()[0]
+                    index = RunIndex(run_id, snapshot)
+                    for table, sql in load_sql(CATALOG).items():
+                        index.add(table, self._con.execute(sql, [run_id]).to_arrow_table())
+                finally:
+                    self._rollback_quietly()
+                return index
+
+        return self._retry(attempt)
 
     def count(self, table: str, run_id: str | None = None) -> int:
         if table not in ARROW_SCHEMAS:

@@ -122,6 +122,7 @@ class StoreWrites(StoreConnection):
             ).fetchone()
             if not voided[0]:
                 return 0
+            self.indexes.drop()  # the polls' indexes do not follow deletions: they are read again
             for table, column in (
                 ("consumptions", "learner_step"),
                 ("policy_versions", "version"),
@@ -185,8 +186,14 @@ class StoreWrites(StoreConnection):
         if not batches:
             return AppendResult()
 
+        if run_id in self.indexes.runs:
+            self._index(run_id)  # up to date, so that the check below can ask it instead of the SQL
+
         def body(con: duckdb.DuckDBPyConnection) -> dict[str, list[str]]:
-            stored = self._stored_keys(con, run_id, keys)
+            index = self._index_in(con, run_id)
+            stored = index.stored_keys(keys) if index is not None else None
+            if stored is None:
+                stored = self._stored_keys(con, run_id, keys)
             if not stored:
                 for table, batch in batches.items():
                     self._insert(con, table, batch)
@@ -277,16 +284,23 @@ class StoreWrites(StoreConnection):
         )
         ids_table = key_table("sample_id", ids)
 
+        if run_id in self.indexes.runs:
+            self._index(run_id)  # up to date, so that the checks below can ask it instead of the SQL
+
         def body(con: duckdb.DuckDBPyConnection) -> None:
-            with registered(con, "_step_ids", ids_table):
-                twice = con.execute(
-                    f"SELECT count(*) FROM {CATALOG}.consumptions c JOIN _step_ids USING (sample_id) "
-                    "WHERE c.run_id = ?",
-                    [run_id],
+            index = self._index_in(con, run_id)
+            if index is not None:
+                twice, exists = sum(sid in index.consumed for sid in ids), int(step in index.versions)
+            else:
+                with registered(con, "_step_ids", ids_table):
+                    twice = con.execute(
+                        f"SELECT count(*) FROM {CATALOG}.consumptions c JOIN _step_ids USING (sample_id) "
+                        "WHERE c.run_id = ?",
+                        [run_id],
+                    ).fetchone()[0]
+                exists = con.execute(
+                    f"SELECT count(*) FROM {CATALOG}.policy_versions WHERE run_id = ? AND version = ?", [run_id, step]
                 ).fetchone()[0]
-            exists = con.execute(
-                f"SELECT count(*) FROM {CATALOG}.policy_versions WHERE run_id = ? AND version = ?", [run_id, step]
-            ).fetchone()[0]
             if twice or exists:
                 raise StoreError(
                     f"commit_step(step={step}): {twice} samples already consumed, "
