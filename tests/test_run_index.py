@@ -91,7 +91,7 @@ def test_the_polls_match_the_sql_through_every_kind_of_commit(store, store_paths
     version = keys_answered = 0
     try:
         other.create_run("other-run", {})
-        for step in range(45):
+        for step in range(90):
             writer = store if rng.random() < 0.7 else other
             action = rng.random()
             if action < 0.35:  # a new group: some of its samples now, the rest later or never
@@ -132,7 +132,7 @@ def test_the_polls_match_the_sql_through_every_kind_of_commit(store, store_paths
                 version = rng.randint(0, version - 1)
                 writer.rollback_to(RUN, version)
             elif action < 0.96:
-                writer.compact(retention_s=0)
+                writer.compact(retention_s=rng.choice([0, 600]))  # the second keeps every snapshot
             else:  # another run's rows change nothing of this run
                 writer.mark("other-run", "started", str(step))
             for limit, floor in ((2, max(0, version - 2)), (1, version), (None, -1)):
@@ -198,5 +198,38 @@ def test_a_write_checked_against_the_index_refuses_what_is_stored(store, store_p
             store.commit_step(RUN, 1, {"solver": ["a-0"]}, "ckpt-1")
         assert store.count("segments", RUN) == 2 and store.count("consumptions", RUN) == 1
         assert store.indexes.checked == 3 and store.indexes.loads == 1  # every check above asked the index
+    finally:
+        other.close()
+
+
+def test_another_connections_rollback_and_merge_reach_the_index(store, store_paths):
+    """A rollback by another connection makes its voided step's groups trainable again here (the index
+    reloads on a deletion); a merge of files with every snapshot kept is read across, not reloaded."""
+    other = SegmentStore(*store_paths)
+    try:
+        for group in ("a", "b"):
+            store.append(
+                RUN,
+                [SampleRow(f"{group}-0", "p", "solver", 0, group, 1, [1])],
+                [SegmentRow(f"{group}-0", 0, [1], [-0.1], 0, "stop")],
+                [RewardRow(f"{group}-0", 1.0)],
+            )
+        other.commit_step(RUN, 1, {"solver": ["a-0"]}, "ckpt-1")
+        assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == ["b"]
+        loads = store.indexes.loads
+        other.rollback_to(RUN, 0)
+        assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == ["a", "b"]
+        assert store.latest_version(RUN) is None and store.indexes.loads == loads + 1
+        other.append(  # rows this index has not read yet, merged into a file of older rows
+            RUN,
+            [SampleRow("c-0", "p", "solver", 0, "c", 1, [1])],
+            [SegmentRow("c-0", 0, [1], [-0.1], 0, "stop")],
+            [RewardRow("c-0", 1.0)],
+        )
+        merged = other.compact(retention_s=600)
+        assert merged["files_after"] < merged["files_before"] and not merged["snapshots_expired"]
+        other.commit_step(RUN, 1, {"solver": ["b-0"]}, "ckpt-1b")
+        assert [g.group_id for g in store.trainable_groups(RUN, "solver")] == ["a", "c"]
+        assert store.latest_version(RUN) == (1, "ckpt-1b") and store.indexes.loads == loads + 1
     finally:
         other.close()

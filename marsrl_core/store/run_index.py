@@ -10,8 +10,9 @@ the few columns these answers need, for one run, as of one lake snapshot:
 - a commit of this connection is applied from the rows it inserted, with no read, when its snapshot
   directly follows the index's (nothing else committed in between: `Indexes.committed`);
 - anything else that committed since (another process, a user's SQL) is read back as the rows inserted
-  after the index's snapshot (`ducklake_table_insertions`); a deletion (a rollback), a merge of files
-  (compaction) or a snapshot no longer kept reloads the index instead.
+  after the index's snapshot (`ducklake_table_insertions`; across a merge of files too, which moves
+  rows and changes none); a deletion (a rollback) or a snapshot no longer kept (compaction expired it)
+  reloads the index instead.
 So an answer is the one the SQL would give at the snapshot the index has reached, which is the newest
 when the answer is read (`tests/test_run_index.py` checks both against the SQL).
 
@@ -23,6 +24,7 @@ run the SQL.
 
 from __future__ import annotations
 
+import bisect
 import datetime as dt
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -79,7 +81,10 @@ class RunIndex:
         self.latest: tuple[int, str] | None = None
         self.started: Counter[str] = Counter()  # groups with a stored sample, per agent
         self.consumed_groups: Counter[str] = Counter()  # groups with a consumed sample, per agent
-        self.complete: dict[str, set[str]] = {}  # agent -> its complete (all rewarded), unconsumed groups
+        # agent -> its complete (all rewarded), unconsumed groups in the poll's order: (oldest version,
+        # completed at, group id), sorted; and each such group's entry
+        self.complete: dict[str, list[tuple[int, dt.datetime, str]]] = {}
+        self.rank: dict[str, tuple[int, dt.datetime, str]] = {}
 
     # ------------------------------------------------------------------ what was written
     def add(self, table: str, rows: pa.Table) -> None:
@@ -111,6 +116,8 @@ class RunIndex:
         self.segments.setdefault(sample_id, set()).add(segment_index)
         if version < self.oldest_version.get(sample_id, version + 1):
             self.oldest_version[sample_id] = version
+            if self.group_of.get(sample_id) in self.rank:  # complete already: its place in the order moves
+                self._check(self.group_of[sample_id])
 
     def _add_rewards(self, sample_id: str, at: dt.datetime) -> None:
         if self._spent(sample_id):
@@ -135,7 +142,7 @@ class RunIndex:
         if not group.consumed:
             group.consumed = True
             self.consumed_groups[group.agent] += 1
-            self.complete.get(group.agent, set()).discard(group_id)
+            self._check(group_id)
             for member in group.members:  # no poll asks about it again: only its ids are kept
                 for kept in (self.rewarded_at, self.oldest_version, self.segments):
                     kept.pop(member, None)
@@ -146,11 +153,18 @@ class RunIndex:
         return group_id is not None and self.groups[group_id].consumed
 
     def _check(self, group_id: str) -> None:
-        """Whether the group is complete (every member stored and rewarded) and unconsumed."""
+        """Put the group in its agent's order while it is complete (every member stored and rewarded)
+        and unconsumed, at its place by oldest version and completion; take it out otherwise."""
         group = self.groups[group_id]
+        ranked = self.complete.setdefault(group.agent, [])
+        if (old := self.rank.pop(group_id, None)) is not None:
+            del ranked[bisect.bisect_left(ranked, old)]
         done = len(group.members) == group.size and all(m in self.rewarded_at for m in group.members)
         if done and not group.consumed:
-            self.complete.setdefault(group.agent, set()).add(group_id)
+            members = group.members
+            oldest = min((self.oldest_version[m] for m in members if m in self.oldest_version), default=0)
+            entry = self.rank[group_id] = (oldest, max(self.rewarded_at[m] for m in members), group_id)
+            bisect.insort(ranked, entry)
 
     # ------------------------------------------------------------------ the answers
     def stored_keys(self, keys: Mapping[str, Sequence[str]]) -> dict[str, list[str]] | None:
@@ -182,21 +196,17 @@ class RunIndex:
         earliest completed, at most `limits[agent]` of those besides any whose oldest version is `floor`."""
         found: dict[str, list[TrainableGroup]] = {}
         for agent in agents:
-            ranked = sorted(self._ranked(group_id) for group_id in self.complete.get(agent, ()))
-            fresh = [r for r in ranked if r[0] >= floor]
-            if limits is not None:
-                fresh = [r for i, r in enumerate(fresh) if i < limits[agent] or r[0] == floor]
-            stale = [r for r in ranked if r[0] < floor]
+            ranked = self.complete.get(agent, [])
+            fresh_from = bisect.bisect_left(ranked, (floor,))  # before it: older than the floor (stale)
+            fresh_to = len(ranked)
+            if limits is not None:  # at most the limit, besides those whose oldest version is the floor
+                at_floor = bisect.bisect_left(ranked, (floor + 1,)) - fresh_from
+                fresh_to = min(fresh_to, fresh_from + max(limits[agent], at_floor))
             found[agent] = [
                 TrainableGroup(group_id, agent, sorted(self.groups[group_id].members), oldest, oldest < floor)
-                for oldest, _, group_id in fresh + stale
+                for oldest, _, group_id in ranked[fresh_from:fresh_to] + ranked[:fresh_from]
             ]
         return found
-
-    def _ranked(self, group_id: str) -> tuple[int, dt.datetime, str]:
-        members = self.groups[group_id].members
-        oldest = min((self.oldest_version[m] for m in members if m in self.oldest_version), default=0)
-        return oldest, max(self.rewarded_at[m] for m in members), group_id
 
 
 class Indexes:
@@ -207,7 +217,7 @@ class Indexes:
         self.catalog = catalog
         self.runs: dict[str, RunIndex] = {}
         self._tables: dict[int, str] = {}  # the lake's table ids -> names
-        self.loads = 0  # indexes read in full (the first read of a run, or after a deletion or merge)
+        self.loads = 0  # indexes read in full (the first read of a run, or after a deletion or an expiry)
         self.caught_up = 0  # indexes brought up to date by reading the rows inserted since
         self.checked = 0  # write transactions whose checks asked an index instead of the SQL
 
@@ -240,7 +250,7 @@ class Indexes:
     def _catch_up(self, index: RunIndex, snapshot: int, read: Callable[..., pa.Table]) -> bool:
         """Add what committed after the index's snapshot up to `snapshot` (two reads: the snapshots'
         changes from the catalog's own table, then the rows inserted into the index's tables); False
-        when only a reload can (a deletion, a merge, or a snapshot expired by compaction)."""
+        when only a reload can (a deletion, or a snapshot expired by compaction)."""
         metadata = f"__ducklake_metadata_{self.catalog}"
         changes = read(
             f"SELECT changes_made FROM {metadata}.ducklake_snapshot_changes WHERE snapshot_id > ? AND snapshot_id <= ?",
@@ -252,9 +262,10 @@ class Indexes:
         for made in changes.to_pylist():
             for change in (made or "").split(","):
                 kind, _, table_id = change.partition(":")
-                if kind != "inserted_into_table":
+                if kind == "inserted_into_table":
+                    changed.add(int(table_id))
+                elif kind != "merge_adjacent":  # a merge moves rows into new files and changes none
                     return False
-                changed.add(int(table_id))
         names = {self._table_name(table_id, read) for table_id in changed} & set(COLUMNS)
         if names:
             rows = read(
