@@ -233,3 +233,26 @@ def test_another_connections_rollback_and_merge_reach_the_index(store, store_pat
         assert store.latest_version(RUN) == (1, "ckpt-1b") and store.indexes.loads == loads + 1
     finally:
         other.close()
+
+
+def test_a_failed_look_after_a_commit_keeps_the_commit_and_reloads_the_index(store):
+    """The commit is done once the lake has it: a failed read of the lake's snapshot after it must not
+    fail the write (its retry would find its own rows), and the index, unsure, is read again."""
+    import duckdb
+
+    store.append(RUN, [SampleRow("a-0", "p", "solver", 0, "a", 1, [1])])
+    assert store.group_counts(RUN)["solver"]["started"] == 1
+    real_snapshot, looks = store._lake_snapshot, []
+
+    def failing_after_the_commit() -> int:
+        looks.append(1)
+        if len(looks) == 3:  # the index's catch-up and the look before the commit succeed, the one after fails
+            raise duckdb.IOException("the catalog could not be read")
+        return real_snapshot()
+
+    store._lake_snapshot = failing_after_the_commit
+    assert store.append(RUN, [SampleRow("b-0", "p", "solver", 0, "b", 1, [1])]).written
+    del store._lake_snapshot
+    loads = store.indexes.loads
+    assert store.group_counts(RUN)["solver"]["started"] == 2 and store.indexes.loads == loads + 1
+    assert store.count("samples", RUN) == 2

@@ -253,8 +253,11 @@ class StoreConnection:
                     raise
                 finally:
                     written, self._written = self._written, None
-                if at is not None:
-                    self.indexes.committed(before, self._lake_snapshot(), written, at)
+                if at is not None:  # committed: nothing after this line may fail the call (a retry would write again)
+                    try:
+                        self.indexes.committed(before, self._lake_snapshot(), written, at)
+                    except duckdb.Error:
+                        self.indexes.drop()  # the next read loads them again
                 return result
 
         return self._retry(attempt)

@@ -240,12 +240,21 @@ class Indexes:
         """The run's index at lake snapshot `snapshot` (the newest): brought up to date with `read`
         (SQL, parameters -> rows), or loaded afresh with `load`."""
         index = self.runs.get(run_id)
-        if index is not None and index.snapshot != snapshot and not self._catch_up(index, snapshot, read):
+        if index is not None and index.snapshot != snapshot and not self._caught_up(index, snapshot, read):
             index = None
         if index is None:
             index = self.runs[run_id] = load()
             self.loads += 1
         return index
+
+    def _caught_up(self, index: RunIndex, snapshot: int, read: Callable[..., pa.Table]) -> bool:
+        """`_catch_up`, False (reload) where reading the changes failed: a half-applied catch-up is
+        dropped with the index."""
+        try:
+            return self._catch_up(index, snapshot, read)
+        except Exception:  # noqa: BLE001  (a reload reads everything again: it is the answer to any failure)
+            del self.runs[index.run_id]
+            return False
 
     def _catch_up(self, index: RunIndex, snapshot: int, read: Callable[..., pa.Table]) -> bool:
         """Add what committed after the index's snapshot up to `snapshot` (two reads: the snapshots'
