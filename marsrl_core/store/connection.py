@@ -32,7 +32,7 @@ import pyarrow as pa
 from marsrl_core.store.guard import refusal
 from marsrl_core.store.maintenance_lock import MaintenanceLock
 from marsrl_core.store.rows import StoreError
-from marsrl_core.store.run_index import Indexes, RunIndex
+from marsrl_core.store.run_index import Indexes, RunIndex, load_sql
 from marsrl_core.store.schema import table_ddl, view_ddl
 
 CATALOG = "lake"
@@ -279,6 +279,34 @@ class StoreConnection:
                 finally:
                     for name in tables or {}:
                         self._con.unregister(name)
+
+        return self._retry(attempt)
+
+    def _index(self, run_id: str) -> RunIndex:
+        """The run's index at the lake's newest snapshot (`run_index.py`)."""
+        with self._using():
+            return self.indexes.current(run_id, self._lake_snapshot(), self._read, lambda: self._load_index(run_id))
+
+    def _refresh_index(self, run_id: str) -> None:
+        """Bring the run's index up to date if this connection keeps one, so that a write's checks can
+        ask it instead of the SQL (`_index_in`); a write never loads one."""
+        if run_id in self.indexes.runs:
+            self._index(run_id)
+
+    def _load_index(self, run_id: str) -> RunIndex:
+        """A new index of the run, read at one snapshot (one read transaction)."""
+
+        def attempt() -> RunIndex:
+            with self._using():
+                self._con.execute("BEGIN TRANSACTION")
+                try:
+                    snapshot = self._con.execute(f"SELECT id FROM {CATALOG}.current_snapshot()").fetchone()[0]
+                    index = RunIndex(run_id, snapshot)
+                    for table, sql in load_sql(CATALOG).items():
+                        index.add(table, self._con.execute(sql, [run_id]).to_arrow_table())
+                finally:
+                    self._rollback_quietly()
+                return index
 
         return self._retry(attempt)
 

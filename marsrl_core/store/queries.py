@@ -17,7 +17,6 @@ import numpy as np
 from marsrl_core.store.connection import CATALOG, StoreConnection
 from marsrl_core.store.invariants import invariants_sql
 from marsrl_core.store.rows import StoredSample, StoreError, TrainableGroup, key_table
-from marsrl_core.store.run_index import RunIndex, load_sql
 from marsrl_core.store.schema import ARROW_SCHEMAS
 
 
@@ -175,28 +174,6 @@ class StoreQueries(StoreConnection):
         """The run's exactly-once invariants (`store/invariants.py`): offending keys per invariant, all 0
         in a healthy run."""
         return {k: int(v) for k, v in self._read(invariants_sql(CATALOG), [run_id]).to_pylist()[0].items()}
-
-    def _index(self, run_id: str) -> RunIndex:
-        """The run's index at the lake's newest snapshot (`run_index.py`)."""
-        with self._using():
-            return self.indexes.current(run_id, self._lake_snapshot(), self._read, lambda: self._load_index(run_id))
-
-    def _load_index(self, run_id: str) -> RunIndex:
-        """A new index of the run, read at one snapshot (one read transaction)."""
-
-        def attempt() -> RunIndex:
-            with self._using():
-                self._con.execute("BEGIN TRANSACTION")
-                try:
-                    snapshot = self._con.execute(f"SELECT id FROM {CATALOG}.current_snapshot()").fetchone()[0]
-                    index = RunIndex(run_id, snapshot)
-                    for table, sql in load_sql(CATALOG).items():
-                        index.add(table, self._con.execute(sql, [run_id]).to_arrow_table())
-                finally:
-                    self._rollback_quietly()
-                return index
-
-        return self._retry(attempt)
 
     def count(self, table: str, run_id: str | None = None) -> int:
         if table not in ARROW_SCHEMAS:

@@ -186,8 +186,7 @@ class StoreWrites(StoreConnection):
         if not batches:
             return AppendResult()
 
-        if run_id in self.indexes.runs:
-            self._index(run_id)  # up to date, so that the check below can ask it instead of the SQL
+        self._refresh_index(run_id)
 
         def body(con: duckdb.DuckDBPyConnection) -> dict[str, list[str]]:
             index = self._index_in(con, run_id)
@@ -284,8 +283,7 @@ class StoreWrites(StoreConnection):
         )
         ids_table = key_table("sample_id", ids)
 
-        if run_id in self.indexes.runs:
-            self._index(run_id)  # up to date, so that the checks below can ask it instead of the SQL
+        self._refresh_index(run_id)
 
         def body(con: duckdb.DuckDBPyConnection) -> None:
             index = self._index_in(con, run_id)
