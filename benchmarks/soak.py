@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -254,9 +253,9 @@ def main() -> None:
     poll_ms, data_files = 1000 * sorted(poll_s)[2], store.data_file_count()
     disk_mb = sum(f.stat().st_size for f in work.rglob("*") if f.is_file()) / 2**20
     versions = store.latest_version(RUN)
-    with sqlite3.connect(f"file:{work}/lake.sqlite?mode=ro", uri=True) as catalog:  # one snapshot per commit
-        # snapshot ids count up by one per commit; compaction expires old snapshots, so count the ids
-        commits = catalog.execute("SELECT max(snapshot_id) + 1 FROM ducklake_snapshot").fetchone()[0]
+    # one snapshot per commit; snapshot ids count up by one per commit and compaction expires old
+    # snapshots, so count the ids
+    commits = store.query("SELECT max(snapshot_id) + 1 AS n FROM ducklake_snapshots('lake')").column("n")[0].as_py()
     figures = {
         "duration_s": duration,
         "rows": rows,

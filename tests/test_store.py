@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -249,6 +254,34 @@ def test_unwritable_catalog_path_is_named(tmp_path):
         SegmentStore("mysql:x", str(tmp_path / "data"))
     with pytest.raises(StoreError, match="no such store"):
         SegmentStore(f"sqlite:{tmp_path}/absent.sqlite", str(tmp_path / "data"), create=False)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads this process's open files from /proc")
+def test_a_sqlite_catalog_runs_in_wal_mode_with_no_connection_left_on_a_deleted_wal(tmp_path):
+    """Python's sqlite3 and DuckDB's SQLite extension are two SQLite copies in one process: a copy that
+    closes the catalog deletes the WAL under the other's open connection, which can later write stale
+    pages back. Two stores opened in one process, both writing, leave no handle on a deleted WAL file."""
+    catalog = tmp_path / "lake.sqlite"
+    first = SegmentStore(f"sqlite:{catalog}", str(tmp_path / "data"))
+    first.create_run(RUN, {})
+    _finish(first, _group(first, "g1"))
+    second = SegmentStore(f"sqlite:{catalog}", str(tmp_path / "data"), create=False)
+    _finish(second, _group(second, "g2"))
+    assert {g.group_id for g in first.trainable_groups(RUN, "solver")} == {"g1", "g2"}
+
+    assert catalog.read_bytes()[18:20] == b"\x02\x02"  # the header's write and read versions: WAL
+    links = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(fd))
+    assert [link for link in links if link.startswith(str(catalog)) and link.endswith("(deleted)")] == []
+    first.close()
+    second.close()
+    db = sqlite3.connect(catalog)
+    try:
+        assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    finally:
+        db.close()
 
 
 def test_rows_survive_reopen_and_compaction(store_paths):

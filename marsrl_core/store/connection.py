@@ -40,6 +40,37 @@ KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown
 _TRANSIENT = ("database is locked", "conflict", "failed to commit", "busy", "could not serialize")
 
 
+def _in_wal_mode(path: Path) -> bool:
+    """Whether the SQLite file at `path` is in WAL mode: its header's write and read versions are 2
+    (the mode is stored in the file, so it is set once, when the catalog is new)."""
+    try:
+        with open(path, "rb") as file:
+            header = file.read(20)
+    except FileNotFoundError:
+        return False
+    except OSError as err:
+        raise StoreError(f"catalog {str(path)!r}: cannot be read ({err.strerror})") from None
+    return len(header) == 20 and header[18] == 2 and header[19] == 2
+
+
+def _set_wal_mode(path: Path) -> None:
+    """Put the SQLite catalog at `path` in WAL mode, with Python's `sqlite3` closed again before DuckDB
+    opens the file. Python's `sqlite3` and DuckDB's SQLite extension are two copies of SQLite: a copy
+    that closes the file drops the other copy's POSIX locks in this process and, seeing no other
+    connection, deletes the WAL under the other copy's open connection, which then commits into a
+    deleted file and may later write stale pages back ("database disk image is malformed", sqlite.org's
+    "How To Corrupt An SQLite Database File", 2.2.1). So this runs only on a catalog not yet in WAL mode,
+    which no DuckDB connection of this process has open."""
+    try:
+        db = sqlite3.connect(path, timeout=30)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+        finally:
+            db.close()
+    except sqlite3.Error as err:
+        raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
+
+
 def _extension_files() -> dict[str, str]:
     """Extension name -> file path, for every installed `duckdb-extension-*` package."""
     found = {}
@@ -198,11 +229,8 @@ class StoreConnection:
         with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                try:
-                    with sqlite3.connect(path, timeout=30) as db:
-                        db.execute("PRAGMA journal_mode=WAL")
-                except sqlite3.Error as err:
-                    raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
+                if not _in_wal_mode(path):
+                    _set_wal_mode(path)
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
