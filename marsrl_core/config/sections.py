@@ -121,13 +121,6 @@ class RolloutConfig(_Section):
     )
     truncated_reward: float = Field(0.0, description="Reward given to an output cut off by its agent's budget.")
     synchronous: bool = Field(False, description="Baseline: decode whole trajectories before the learner sees any.")
-    write_behind: bool = Field(
-        True,
-        description="A decode stage's store append (one transaction) runs while the next stage decodes, "
-        "and a batch's progress is reported as the store holds it; a crash loses the one stage in "
-        "flight, which a resume decodes again. Off: each stage waits for its append "
-        "(marsrl_core/rollout/writer.py).",
-    )
 
     def max_tokens(self, agent: str) -> int:
         """The response budget of `agent`."""

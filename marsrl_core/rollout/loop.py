@@ -153,10 +153,6 @@ class RolloutLoop:
             self._changed.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
-        with self._lock:  # its last append lands, and its writer's thread ends
-            if self._scheduler is not None:
-                self._scheduler.release()
-                self._scheduler = None
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:

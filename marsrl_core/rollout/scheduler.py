@@ -17,8 +17,6 @@ Problems arrive in batches (`add_problems`) and wait for admission. The schedule
 4. rewards what finished (decoupled: at once; shared: when the problem's trajectories end), creates
    the downstream groups whose inputs are now complete (a turn waits while the gate has no room for
    its agent), and appends new samples, segments and rewards to the store in one transaction.
-With `write_behind` (`rollout.write_behind`, on in the decode loop) that append runs while the next
-stage decodes, and steps 1-2 for the next stage close a stage, into its append (`writer.py`).
 So a problem's next agent starts at the first stage boundary after its own inputs are complete,
 whatever the rest of its batch is doing (`turn_barrier=True` instead holds a batch's problems until
 the whole batch has finished its turn: the rule the simulator compares against). Outputs cut by their
@@ -44,13 +42,15 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from marsrl_core.agents.outcomes import OutcomeChecker
 from marsrl_core.agents.problems import Problem
 from marsrl_core.agents.rewards import judge as judge_output
 from marsrl_core.agents.roles import CORRECTOR, SOLVER, VERIFIER, Roles
 from marsrl_core.config import MarsRLConfig
+from marsrl_core.divergence import PolicyDiverged
 from marsrl_core.faults import crash_point
-from marsrl_core.rollout.judging import check_logprobs, judge_samples
 from marsrl_core.rollout.resume import restore
 from marsrl_core.rollout.samples import (
     BatchProgress,
@@ -66,7 +66,6 @@ from marsrl_core.rollout.samples import (
 from marsrl_core.rollout.segments import decode_segment
 from marsrl_core.rollout.turns import batches_on_their_turn, has_next_turn, next_turn_inputs
 from marsrl_core.rollout.weights import WeightChannel
-from marsrl_core.rollout.writer import StageWriter
 from marsrl_core.store import Rejection, RewardRow, SegmentRow, Store
 from marsrl_core.timings import timed
 
@@ -88,7 +87,6 @@ class RolloutScheduler:
         judge: Callable[..., Any] = judge_output,
         checker: OutcomeChecker | None = None,
         turn_barrier: bool = False,
-        write_behind: bool = False,
         new_group_id: Callable[[], str] = lambda: uuid.uuid4().hex,
     ):
         """`engine`: one engine for all agents (shared policy) or a dict agent -> engine (per-agent).
@@ -100,8 +98,6 @@ class RolloutScheduler:
         `checker`: checks the finished Solver and Corrector outputs of a stage side by side, each
         time-limited (`agents.outcomes.OutcomeChecker`); None: `judge` checks each in this thread.
         `turn_barrier`: hold each batch's problems at every turn until the whole batch has finished it.
-        `write_behind`: a stage's append runs while the next stage decodes (`writer.py`); the next
-        stage's weights and admissions are then taken at the end of a stage, into its append.
         `new_group_id`: a new group's id (its samples are `<group id>-<i>`, their sampling seeds drawn
         from those): a uuid, unique across processes and restarts."""
         self.cfg, self.rc = cfg, cfg.rollout
@@ -125,7 +121,6 @@ class RolloutScheduler:
         self.judge = judge
         self.checker = checker
         self.turn_barrier = turn_barrier
-        self.writer = StageWriter() if write_behind else None
         self.new_group_id = new_group_id
 
     # ------------------------------------------------------------------ policy versions
@@ -155,8 +150,6 @@ class RolloutScheduler:
     def release(self) -> None:
         """Unlink the samples (parents and children refer to each other), so that dropping the scheduler
         frees them at once, not at the collector's next full pass; the scheduler is not used afterwards."""
-        if self.writer is not None:
-            self.writer.close()
         for batch in {st.batch for st in self.states.values()}:
             self.forget_batch(batch)
         self.waiting.clear()
@@ -171,8 +164,8 @@ class RolloutScheduler:
         return sum(not st.done for st in self.states.values())
 
     def finished(self) -> bool:
-        """No problem in flight, none waiting for admission, and no append in flight."""
-        return self.active_problems == 0 and not self.waiting and not (self.writer is not None and self.writer.pending)
+        """No problem in flight and none waiting for admission."""
+        return self.active_problems == 0 and not self.waiting
 
     def add_problems(self, problems: Iterable[Problem], batch: int | None = None, resume: bool = True) -> int:
         """Problems of batch `batch`: those the store holds already are resumed from it (`resume`; False
@@ -185,8 +178,6 @@ class RolloutScheduler:
 
     def forget_batch(self, batch: int | None) -> None:
         """Let go of batch `batch`'s problems (its flow is done with them)."""
-        if self.writer is not None:
-            self.writer.forget(batch)
         for problem_id in [pid for pid, st in self.states.items() if st.batch == batch]:
             for samples in self.states.pop(problem_id).turns.values():
                 for sample in samples:
@@ -202,12 +193,7 @@ class RolloutScheduler:
         return sum(self.dropped.values())
 
     def batch_progress(self, batch: int | None) -> BatchProgress:
-        """What of batch `batch` has started and finished, per turn (see `BatchProgress`), as the store
-        holds it (with `write_behind`, the stage whose append is in flight is not in it yet)."""
-        live = self._live_progress(batch)
-        return live if self.writer is None else self.writer.stored_progress(batch, live)
-
-    def _live_progress(self, batch: int | None) -> BatchProgress:
+        """What of batch `batch` has started and finished, per turn (see `BatchProgress`)."""
         waiting = sum(b == batch for b, _ in self.waiting)
         return BatchProgress.of([st for st in self.states.values() if st.batch == batch], waiting, self.dropped[batch])
 
@@ -284,8 +270,17 @@ class RolloutScheduler:
         self.stats["stages"] += 1
         rejected: list[Rejection] = []
         created: list[Sample] = []
-        if self.writer is None:  # the stage's weights and admissions (write-behind: the last stage took them)
-            created += self._prepare(report, rejected)
+        with timed("rollout.weights"):
+            latest = self.weights.poll(self.version)  # one store query for the engines and the gate
+            if self.gate is not None and self.weights.store is self.gate.store:
+                self.gate.use_version(latest)
+            elif self.gate is not None:
+                self.gate.read_version()
+            applied = self._apply_pending()
+        if applied:
+            with timed("rollout.admit"):
+                created = self._admit(rejected)
+            report.admitted = len({s.problem.problem_id for s in created})
         active = self.in_flight()
         segments: list[SegmentRow] = []  # one per in-flight sample (`segments.decode_segment`)
         rewards: list[RewardRow] = []
@@ -293,7 +288,7 @@ class RolloutScheduler:
             report.decoded = len(active)
             with timed("rollout.decode"):
                 segments = decode_segment(self.engines, active, self.rc, self.seed)
-            check_logprobs(segments, active)
+            _check_logprobs(segments, active)
             report.tokens += sum(len(segment.token_ids) for segment in segments)
             finished = [sample for sample in active if sample.finish]
             with timed("rollout.rewards"):
@@ -301,67 +296,47 @@ class RolloutScheduler:
             report.finished += len(finished)
             if self.rc.reward_mode == "decoupled":
                 rewards += [reward_row(sample, sample.judgement.reward) for sample in finished]
-        if self.writer is not None:  # the last stage's append, which ran beside this decode
-            with timed("rollout.store_write"):
-                self.stored_groups.update(self.writer.wait() or ())
         held = batches_on_their_turn(self.states.values()) if self.turn_barrier else set()
         for state in self.states.values():
             if not state.done and state.batch not in held:
                 with timed("rollout.advance"):
                     created += self._advance(state, rejected, rewards)
-        if self.writer is not None:  # the next stage's weights and admissions, into this stage's append
-            created += self._prepare(report, rejected)
         report.new_samples = len(created)
         crash_point("rollout.append")
-        self._store(created, segments, rewards, rejected)
+        with timed("rollout.store_write"):
+            stored = self.store.append(self.run_id, [sample_row(s, self.rc) for s in created], segments, rewards)
+        if stored.written:
+            self.stored_groups.update(agent for agent, _ in {(s.agent, s.group_id) for s in created})
+        else:
+            raise RolloutBehindStore(
+                f"run {self.run_id!r}: a stage found rows it decoded stored already ({stored.describe()}); "
+                "nothing of it was written, and a retry of the turn resumes from the store"
+            )
+        if rejected:
+            self.store.reject(self.run_id, rejected)
         return report
 
-    def _prepare(self, report: StageReport, rejected: list[Rejection]) -> list[Sample]:
-        """Take a newer policy version (one store query for the engines and the gate) and, where it was
-        applied, admit waiting problems; the samples admitted."""
-        with timed("rollout.weights"):
-            latest = self.weights.poll(self.version)
-            if self.gate is not None and self.weights.store is self.gate.store:
-                self.gate.use_version(latest)
-            elif self.gate is not None:
-                self.gate.read_version()
-            applied = self._apply_pending()
-        if not applied:
-            return []
-        with timed("rollout.admit"):
-            created = self._admit(rejected)
-        report.admitted += len({s.problem.problem_id for s in created})
-        return created
-
-    def _store(
-        self, created: list[Sample], segments: list[SegmentRow], rewards: list[RewardRow], rejected: list[Rejection]
-    ) -> None:
-        """Append the stage's new samples, segments and rewards in one transaction, and record its rejected
-        prompts: now, or with `write_behind` in the writer's thread while the next stage decodes."""
-        rows = [sample_row(s, self.rc) for s in created]
-        groups = Counter(agent for agent, _ in {(s.agent, s.group_id) for s in created})
-
-        def write() -> Counter[str]:
-            stored = self.store.append(self.run_id, rows, segments, rewards)
-            if not stored.written:
-                raise RolloutBehindStore(
-                    f"run {self.run_id!r}: a stage found rows it decoded stored already ({stored.describe()}); "
-                    "nothing of it was written, and a retry of the turn resumes from the store"
-                )
-            if rejected:
-                self.store.reject(self.run_id, rejected)
-            return groups
-
-        if self.writer is None:
-            with timed("rollout.store_write"):
-                self.stored_groups.update(write())
-        elif rows or segments or rewards or rejected:
-            batches = {st.batch for st in self.states.values()} | {b for b, _ in self.waiting}
-            self.writer.issue(write, {b: self._live_progress(b) for b in batches})
-
     def judge_finished(self, samples: list[Sample]) -> None:
-        """Judge finished samples (`judging.judge_samples`)."""
-        judge_samples(samples, self.tokenizer, self.judge, self.checker, self.rc.truncated_reward)
+        """Decode finished samples' texts and judge them (their rewards and what was parsed): the Solver
+        and Corrector outputs checked side by side by `checker` when there is one."""
+        for sample in samples:
+            sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        outcomes: dict[str, Any] = {}
+        if self.checker is not None:
+            checked = [s for s in samples if s.agent in (SOLVER, CORRECTOR) and s.finish != "budget"]
+            results = self.checker.check_many([(s.problem, s.text) for s in checked])
+            outcomes = {s.sample_id: o for s, o in zip(checked, results)}
+        for sample in samples:
+            judged = sample.parent.solution.judgement.correct if sample.agent == VERIFIER else None
+            sample.judgement = self.judge(
+                sample.agent,
+                sample.text,
+                problem=sample.problem,
+                judged_solution_correct=judged,
+                truncated=sample.finish == "budget",
+                truncated_reward=self.rc.truncated_reward,
+                outcome=outcomes.get(sample.sample_id),
+            )
 
     def _advance(self, state: ProblemState, rejected, rewards: list[RewardRow]) -> list[Sample]:
         """Create the next turn's groups once the current turn has finished; close the problem when done."""
@@ -409,3 +384,15 @@ class RolloutScheduler:
         """Rebuild the state of the problems in `problems_by_id` (of batch `batch`) from the store
         (`resume.restore`); returns how many samples were restored."""
         return restore(self, problems_by_id, batch)
+
+
+def _check_logprobs(segments: list[SegmentRow], samples: list[Sample]) -> None:
+    """Non-finite log-probs from the engine mean the weights it decoded with are unusable: the run
+    stops (`PolicyDiverged`) before anything of the stage is stored."""
+    for segment, sample in zip(segments, samples):
+        if not np.isfinite(np.asarray(segment.logprobs, dtype=np.float64)).all():
+            raise PolicyDiverged(
+                f"rollout: a {sample.agent} output decoded under policy version {segment.policy_version} has "
+                "non-finite log-probs, so that version's weights are unusable; the run stops and nothing of this "
+                "stage was stored: look at learner.learning_rate and learner.max_weight_abs"
+            )

@@ -115,7 +115,6 @@ def _make_scheduler(cfg: MarsRLConfig, run_id: str) -> RolloutScheduler:
         weights=rt.weight_channel(cfg, run_id),
         gate=gate,
         checker=rt.checker(cfg, run_id),
-        write_behind=cfg.rollout.write_behind,
     )
 
 
