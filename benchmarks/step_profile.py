@@ -4,8 +4,10 @@ One run of the train flow (the one `make train` runs, evaluation off) with `roll
 Solver alone), from its first rollout to its last step. The decode loop and the learner are two lanes
 that run at once; each lane's phases are listed with their share of the run's wall-clock:
 - decode loop: weights (poll and load a newer version), decode (re-prefill included), store writes,
-  admitting problems, rewards, the next agents' groups, the rest of a stage, idle, and the time
-  outside its stages (between them, or while no loop runs);
+  admitting problems, rewards, the next agents' groups, the rest of a stage, idle, the wait for the
+  learner's build (the train flow builds it before any rollout), the scheduler's and engines' set-up,
+  the time with no batch in the loop (the next rollout subflow not yet started), and the rest outside
+  its stages (the first subflow's start, between stages, after the last);
 - learner: poll, load samples, forward/backward, optimizer, the wait for a background durable write
   (`learner.async_save`), checkpoint write, store commit, MLflow, weight hand-over, Prefect's
   bookkeeping (the train-step task less the step and the hand-over), compaction, idle; and the
@@ -90,6 +92,9 @@ ROWS = {
     **{f"rollout: {name}": ([f"rollout.{phase}"], []) for name, phase in STAGE_PARTS.items()},
     "rollout: stage, the rest": (["rollout.stage"], [f"rollout.{phase}" for phase in STAGE_PARTS.values()]),
     "rollout: idle": (["rollout.idle"], []),
+    "rollout: waiting for the learner's build": (["learner.build"], []),
+    "rollout: scheduler and engine set-up": (["rollout.build"], []),
+    "rollout: no batch in the loop": (["rollout.no_batch"], []),
     "learner: poll": (["learner.poll"], []),
     **{f"learner: {name}": ([f"learner.{phase}"], []) for name, phase in STEP_PARTS.items()},
     "learner: step, the rest": (["learner.step"], [f"learner.{phase}" for phase in STEP_PARTS.values()]),
@@ -186,7 +191,8 @@ def profile_run(root: Path, tag: str, model: str, steps: int, overrides: tuple[s
             "count": count,
             "share": seconds / wall,
         }
-    # The decode loop's lane outside its stages and idle waits: between stages, or no loop running.
+    # The decode loop's lane outside the rows above: the first batch's Prefect subflow, between stages,
+    # and after the last stage.
     rest = wall - sum(v["seconds"] for k, v in phases.items() if k.startswith("rollout"))
     phases["rollout: outside stages"] = {
         "seconds": rest,

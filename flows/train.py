@@ -42,6 +42,7 @@ from marsrl_core.devices import learner_gpus
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 from marsrl_core.runtime.report import report_markdown
+from marsrl_core.timings import timed
 from tasks.logs import say
 
 
@@ -113,7 +114,8 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
         # Build the learner (model, optimizer, MLflow run: seconds, more on a busy machine) before any
         # rollout starts: rollouts that run ahead of a learner still starting up produce groups that
         # are already past `learner.max_trained_age` when it takes its first steps.
-        rt.learner(config, run_id)
+        with timed("learner.build"):
+            rt.learner(config, run_id)
         with ThreadPoolExecutor(1) as pool:
             learner = in_thread(pool, _learner_subflow, config, run_id)
             try:

@@ -33,7 +33,7 @@ from typing import Any
 from marsrl_core.agents.problems import Problem
 from marsrl_core.divergence import PolicyDiverged
 from marsrl_core.rollout.samples import BatchProgress, RolloutInterrupted
-from marsrl_core.timings import timed
+from marsrl_core.timings import TIMINGS, timed
 
 log = logging.getLogger(__name__)
 MAX_IDLE_S = 0.5  # the longest wait between two stages of a loop with nothing to decode
@@ -69,6 +69,7 @@ class RolloutLoop:
         self._closed = False
         self._woken = False  # `wake()` since the last idle wait
         self._thread: threading.Thread | None = None
+        self._emptied_at: float | None = None  # when the thread last ended for want of a batch
         self.stages = 0
         self.restarts = 0
         self.decode_batch_sizes: list[int] = []  # samples decoded by each stage that decoded
@@ -85,6 +86,9 @@ class RolloutLoop:
             self._joined.add(batch)
             self._changed.notify_all()
             if self._thread is None:
+                if self._emptied_at is not None:  # the loop was without a batch until now
+                    TIMINGS.add("rollout.no_batch", time.monotonic() - self._emptied_at)
+                    self._emptied_at = None
                 self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
                 self._thread.start()
 
@@ -198,7 +202,7 @@ class RolloutLoop:
                         self._woken = False
                         continue
                     if not self._batches:  # no batch left: the thread ends, the next add_batch starts one
-                        self._thread = None
+                        self._thread, self._emptied_at = None, time.monotonic()
                         return
                     with timed("rollout.idle"):
                         self._changed.wait(min(self.idle_s * 1.5**idle_stages, MAX_IDLE_S))
@@ -211,7 +215,8 @@ class RolloutLoop:
         for kind, batch, problems, resume in inbox:
             if kind == "add":
                 if self._scheduler is None:
-                    self._scheduler = self._make_scheduler()
+                    with timed("rollout.build"):  # the engines and their weights, on the first batch
+                        self._scheduler = self._make_scheduler()
                 self._scheduler.add_problems(problems, batch, resume=resume)
                 if not self._admitting:
                     self._scheduler.drop_waiting()
