@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 
 from benchmarks.common import print_rows, write_results  # noqa: E402
 from marsrl_core.runtime.events import STOP_REQUESTED, STORE_LOCK_RETRIES  # noqa: E402
-from marsrl_core.store import SegmentStore  # noqa: E402
+from marsrl_core.store import CATALOG, SegmentStore  # noqa: E402
 
 RUN = "soak"
 
@@ -255,7 +255,8 @@ def main() -> None:
     versions = store.latest_version(RUN)
     # one snapshot per commit; snapshot ids count up by one per commit and compaction expires old
     # snapshots, so count the ids
-    commits = store.query("SELECT max(snapshot_id) + 1 AS n FROM ducklake_snapshots('lake')").column("n")[0].as_py()
+    snapshots = store.query(f"SELECT max(snapshot_id) + 1 AS n FROM ducklake_snapshots('{CATALOG}')")
+    commits = snapshots.column("n")[0].as_py()
     figures = {
         "duration_s": duration,
         "rows": rows,

@@ -277,11 +277,8 @@ def test_a_sqlite_catalog_runs_in_wal_mode_with_no_connection_left_on_a_deleted_
     assert [link for link in links if link.startswith(str(catalog)) and link.endswith("(deleted)")] == []
     first.close()
     second.close()
-    db = sqlite3.connect(catalog)
-    try:
+    with contextlib.closing(sqlite3.connect(catalog)) as db:
         assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-    finally:
-        db.close()
 
 
 def test_rows_survive_reopen_and_compaction(store_paths):

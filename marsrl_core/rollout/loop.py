@@ -87,7 +87,7 @@ class RolloutLoop:
             self._changed.notify_all()
             if self._thread is None:
                 if self._emptied_at is not None:  # the loop was without a batch until now
-                    TIMINGS.add("rollout.no_batch", time.monotonic() - self._emptied_at)
+                    TIMINGS.add("rollout.no_batch", time.perf_counter() - self._emptied_at)
                     self._emptied_at = None
                 self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
                 self._thread.start()
@@ -202,7 +202,7 @@ class RolloutLoop:
                         self._woken = False
                         continue
                     if not self._batches:  # no batch left: the thread ends, the next add_batch starts one
-                        self._thread, self._emptied_at = None, time.monotonic()
+                        self._thread, self._emptied_at = None, time.perf_counter()
                         return
                     with timed("rollout.idle"):
                         self._changed.wait(min(self.idle_s * 1.5**idle_stages, MAX_IDLE_S))

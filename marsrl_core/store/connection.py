@@ -62,11 +62,8 @@ def _set_wal_mode(path: Path) -> None:
     "How To Corrupt An SQLite Database File", 2.2.1). So this runs only on a catalog not yet in WAL mode,
     which no DuckDB connection of this process has open."""
     try:
-        db = sqlite3.connect(path, timeout=30)
-        try:
+        with contextlib.closing(sqlite3.connect(path, timeout=30)) as db:
             db.execute("PRAGMA journal_mode=WAL")
-        finally:
-            db.close()
     except sqlite3.Error as err:
         raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
 
