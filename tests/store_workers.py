@@ -96,6 +96,13 @@ def counter(store: SegmentStore, run: str, seconds: float) -> None:
     print(json.dumps({"reads": reads, "decreases": decreases}), flush=True)
 
 
+def marker(store: SegmentStore, run: str, count: int) -> None:
+    """Record `count` events of this process; print the store's lock retries."""
+    for k in range(count):
+        store.mark(run, f"m{os.getpid()}-{k}")
+    print(json.dumps({"lock_retries": store.lock_retries}), flush=True)
+
+
 def killme(store: SegmentStore, run: str) -> None:
     rng = np.random.default_rng(1)
     k = 0
@@ -121,6 +128,10 @@ if __name__ == "__main__":
         reader(s, run, float(sys.argv[5]))
     elif role == "stager":
         stager(s, run, float(sys.argv[5]))
+    elif role == "marker":  # from the given time.time() on
+        while time.time() < float(sys.argv[5]):
+            time.sleep(0.01)
+        marker(s, run, int(sys.argv[6]))
     elif role == "counter":
         counter(s, run, float(sys.argv[5]))
     else:

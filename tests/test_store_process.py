@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -229,25 +230,47 @@ def test_unsendable_arguments_and_calls_after_close_fail_clearly(served):
         served.count("samples", RUN)
 
 
-def test_a_child_whose_parent_is_killed_exits(store_paths, tmp_path):
+def test_a_served_sqlite_store_keeps_its_write_ahead_log_between_calls_until_closed(store_paths):
+    """DuckLake opens the SQLite catalog for each transaction; the keeper process holds it open, so the
+    log is not checkpointed away and made again at every call (an in-process store shows the log gone
+    between calls)."""
+    catalog, data = store_paths
+    wal = Path(catalog.removeprefix("sqlite:") + "-wal")
+    plain = SegmentStore(catalog, data)
+    plain.mark(RUN, "a")
+    assert not wal.exists()
+    plain.close()
+    served = StoreProcess(catalog, data)
+    keeper = psutil.Process(served.keeper_pid)
+    for event in ("b", "c"):
+        served.mark(RUN, event)
+        assert wal.exists()
+    assert served.events(RUN) == {"a", "b", "c"}
+    served.close()
+    keeper.wait(timeout=30)
+    assert not wal.exists()  # the last connection closed: SQLite checkpointed and removed it
+
+
+def test_a_child_and_the_catalog_keeper_whose_parent_is_killed_exit(store_paths, tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         from marsrl_core.store.process import StoreProcess
         store = StoreProcess({store_paths[0]!r}, {store_paths[1]!r})
         store.count("samples")
-        print(store.pid, flush=True)
+        print(store.pid, store.keeper_pid, flush=True)
         time.sleep(600)
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
-    child = int(parent.stdout.readline())
-    assert psutil.pid_exists(child)
+    children = [int(pid) for pid in parent.stdout.readline().split()]
+    assert len(children) == 2 and all(psutil.pid_exists(pid) for pid in children)
     parent.kill()
     parent.wait()
-    try:
-        psutil.Process(child).wait(timeout=30)
-    except psutil.NoSuchProcess:
-        pass
-    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    for child in children:
+        try:
+            psutil.Process(child).wait(timeout=30)
+        except psutil.NoSuchProcess:
+            pass
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
 def test_training_processes_serve_the_store_from_a_child_unless_configured_not_to(tmp_path):

@@ -42,6 +42,22 @@ def test_two_processes_creating_one_new_store_at_once_both_open_it(tmp_path):
             assert opener.returncode == 0 and out.strip() == "0", f"try {attempt}: {err[-2000:]}"
 
 
+@pytest.mark.parametrize("catalog_kind", ["sqlite"])
+def test_two_processes_writing_at_once_take_turns_without_a_retry(store_paths):
+    """DuckDB's SQLite fails a write that meets another process's write at once, and the retry runs the
+    transaction again after a backoff; with the writer lock the second writer waits for the first's
+    commit instead (without it, two such processes retried 2 to 12 times in 60 writes each)."""
+    catalog, data = store_paths
+    SegmentStore(catalog, data).close()
+    at = str(time.time() + 2.0)
+    markers = [_spawn("marker", catalog, data, RUN, at, "40") for _ in range(2)]
+    for marker in markers:
+        out, err = marker.communicate(timeout=180)
+        assert marker.returncode == 0, err[-2000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {"lock_retries": 0}
+    assert len(SegmentStore(catalog, data).events(RUN, "m")) == 80
+
+
 @pytest.mark.slow
 def test_writer_and_reader_processes_for_15s(store_paths):
     catalog, data = store_paths

@@ -5,8 +5,9 @@ user's SQL session run in different processes. DuckLake keeps the catalog in SQL
 the data in Parquet, so all of them can read and write at once. The extensions are loaded from the
 installed PyPI packages (`duckdb-extension-*`), never downloaded.
 
-Concurrency: the SQLite catalog runs in WAL mode; a commit that meets a lock or a DuckLake conflict is
-rolled back and retried with jittered exponential backoff (counted in `lock_retries`).
+Concurrency: a SQLite catalog runs in WAL mode with one writing transaction at a time across processes
+(`sqlite_catalog.py`); a commit that meets a lock or a DuckLake conflict is rolled back and retried
+with jittered exponential backoff (counted in `lock_retries`).
 
 Deliberate simplification: one DuckDB connection per store guarded by a lock (tasks in threads share it).
 """
@@ -14,12 +15,10 @@ Deliberate simplification: one DuckDB connection per store guarded by a lock (ta
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import importlib
 import os
 import random
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -34,38 +33,11 @@ from marsrl_core.store.maintenance_lock import MaintenanceLock
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.run_index import Indexes, RunIndex, load_sql
 from marsrl_core.store.schema import table_ddl, view_ddl
+from marsrl_core.store.sqlite_catalog import WriterLock, attaching
 
 CATALOG = "lake"
 KNOWN_SAMPLES_CACHE = 100_000  # sample ids remembered per store for the unknown-id checks
 _TRANSIENT = ("database is locked", "conflict", "failed to commit", "busy", "could not serialize")
-
-
-def _in_wal_mode(path: Path) -> bool:
-    """Whether the SQLite file at `path` is in WAL mode: its header's write and read versions are 2
-    (the mode is stored in the file, so it is set once, when the catalog is new)."""
-    try:
-        with open(path, "rb") as file:
-            header = file.read(20)
-    except FileNotFoundError:
-        return False
-    except OSError as err:
-        raise StoreError(f"catalog {str(path)!r}: cannot be read ({err.strerror})") from None
-    return len(header) == 20 and header[18] == 2 and header[19] == 2
-
-
-def _set_wal_mode(path: Path) -> None:
-    """Put the SQLite catalog at `path` in WAL mode, with Python's `sqlite3` closed again before DuckDB
-    opens the file. Python's `sqlite3` and DuckDB's SQLite extension are two copies of SQLite: a copy
-    that closes the file drops the other copy's POSIX locks in this process and, seeing no other
-    connection, deletes the WAL under the other copy's open connection, which then commits into a
-    deleted file and may later write stale pages back ("database disk image is malformed", sqlite.org's
-    "How To Corrupt An SQLite Database File", 2.2.1). So this runs only on a catalog not yet in WAL mode,
-    which no DuckDB connection of this process has open."""
-    try:
-        with contextlib.closing(sqlite3.connect(path, timeout=30)) as db:
-            db.execute("PRAGMA journal_mode=WAL")
-    except sqlite3.Error as err:
-        raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
 
 
 def _extension_files() -> dict[str, str]:
@@ -143,8 +115,9 @@ class StoreConnection:
         kind, _, target = self.catalog_url.partition(":")
         if kind not in ("sqlite", "postgres") or not target:
             raise StoreError(f"catalog_url={self.catalog_url!r}: expected 'sqlite:<file>' or 'postgres:<dsn>'")
-        with self._sqlite_catalog(Path(target), create) if kind == "sqlite" else contextlib.nullcontext():
+        with attaching(Path(target), create) if kind == "sqlite" else contextlib.nullcontext():
             self._maintenance = MaintenanceLock(Path(target) if kind == "sqlite" else None)
+            self._writer = WriterLock(Path(target) if kind == "sqlite" and not self.read_only else None)
             return self._attach(kind)
 
     def _attach(self, kind: str) -> duckdb.DuckDBPyConnection:
@@ -207,35 +180,11 @@ class StoreConnection:
         self._transaction(lambda c: [c.execute(sql) for sql in table_ddl(CATALOG) + view_ddl(CATALOG)])
         return con
 
-    @staticmethod
-    @contextlib.contextmanager
-    def _sqlite_catalog(path: Path, create: bool) -> Iterator[None]:
-        """Prepare a SQLite catalog (WAL, so readers run beside one writer) and hold an exclusive lock on
-        `<catalog>.lock` while the caller attaches it: processes attach one at a time. Two processes
-        creating a new catalog at once collide: in a measured 10 tries of two processes opening a new
-        store together, one failed 8 times (DuckLake's initialisation: "database is locked"), and a
-        reader polling a catalog still being created once saw "database disk image is malformed". A
-        split run's rollout and learner processes start together on a new store."""
-        if not path.exists() and not create:
-            raise StoreError(f"catalog {str(path)!r}: no such store")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            lock = open(path.with_name(path.name + ".lock"), "a")
-        except OSError as err:
-            raise StoreError(f"catalog {str(path)!r}: not writable ({err})") from None
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if not _in_wal_mode(path):
-                    _set_wal_mode(path)
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
     def close(self) -> None:
         with self._lock:
             self._con.close()
             self._maintenance.close()
+            self._writer.close()
 
     @contextlib.contextmanager
     def _using(self) -> Iterator[None]:
@@ -264,7 +213,7 @@ class StoreConnection:
         inserted (`_insert`) goes to the run indexes once it has committed (`Indexes.committed`)."""
 
         def attempt() -> Any:
-            with self._using():
+            with self._using(), self._writer.held():
                 before = self._lake_snapshot() if self.indexes.runs else None
                 self._written, at = [], None
                 self._con.execute("BEGIN TRANSACTION")

@@ -47,12 +47,14 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 from marsrl_core.faults import crash_point
 from marsrl_core.store.protocol import store_calls
 from marsrl_core.store.rows import StoreError
 from marsrl_core.store.segment_store import SegmentStore
+from marsrl_core.store.sqlite_catalog import CatalogKeeper
 from marsrl_core.store.writes import KEYED_WRITES
 from marsrl_core.timings import TIMINGS, timed
 
@@ -110,6 +112,9 @@ class StoreProcess:
         with self._lock:
             self._start()
             self._finish_opening()  # a bad catalog or data path fails here, as SegmentStore's constructor does
+        kind, _, target = catalog_url.partition(":")
+        # The catalog's WAL lives while this store is used (`sqlite_catalog.py`), across child replacements.
+        self._keeper = CatalogKeeper(Path(target)) if kind == "sqlite" else None
 
     @classmethod
     def from_config(cls, store_config: Any, **kwargs: Any) -> StoreProcess:
@@ -131,6 +136,11 @@ class StoreProcess:
         """The serving child's process id (None after a child ended until the next call starts one)."""
         return self._child.pid if self._child is not None else None
 
+    @property
+    def keeper_pid(self) -> int | None:
+        """The process id of the process holding a SQLite catalog open (`sqlite_catalog.CatalogKeeper`)."""
+        return self._keeper.pid if self._keeper is not None and self._keeper.running else None
+
     def __getattr__(self, name: str) -> Any:
         if name not in FORWARDED:
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
@@ -147,6 +157,8 @@ class StoreProcess:
             self._closed = True
             if self._child is not None:
                 self._stop(_CLOSE)
+            if self._keeper is not None:
+                self._keeper.close()
 
     # ------------------------------------------------------------------ the child's lifecycle
     def _start(self) -> None:
