@@ -85,7 +85,7 @@ def test_the_child_is_replaced_once_it_has_grown_past_its_budget_and_nothing_is_
     store = StoreProcess(*store_paths, recycle_after_mb=0.001, warmup_calls=5)  # a page of growth after 5 calls
     first = store.pid
     written = []
-    for k in range(60):  # DuckDB keeps memory per query (the reason for the child), so this grows
+    for k in range(400):  # DuckDB keeps memory per query (the reason for the child), so this grows (in pages)
         written += _write_group(store, f"g{k}", size=2)
         store.trainable_groups(RUN, "solver")
         assert store.recycled == 0 or k >= 2, "replaced during its warm-up"
