@@ -42,7 +42,6 @@ from marsrl_core.devices import learner_gpus
 from marsrl_core.runtime import events, work
 from marsrl_core.runtime.context import runtime
 from marsrl_core.runtime.report import report_markdown
-from marsrl_core.timings import timed
 from tasks.logs import say
 
 
@@ -111,11 +110,15 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
     elif config.learner.nproc > 1:  # the learner's ranks in a process group of their own, beside the rollouts
         result["learner_steps"] = steps = _train_beside_learner_process(config, run_id, pending)
     else:
-        # Build the learner (model, optimizer, MLflow run: seconds, more on a busy machine) before any
-        # rollout starts: rollouts that run ahead of a learner still starting up produce groups that
-        # are already past `learner.max_trained_age` when it takes its first steps.
-        with timed("learner.build"):
+        if store.latest_version(run_id) is not None:
+            # A resumed run's learner is built before any rollout: its resume voids the versions after the
+            # last durable one, and the engines start from what remains.
             rt.learner(config, run_id)
+        else:
+            # A new run's learner is built in the learner flow while the first batches decode; the
+            # admission gate holds those to what its first steps can train (`rollout/gate.py`). The
+            # engines are loaded first, so the two threads do not import the same model classes at once.
+            rt.engines(config)
         with ThreadPoolExecutor(1) as pool:
             learner = in_thread(pool, _learner_subflow, config, run_id)
             try:

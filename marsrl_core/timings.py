@@ -9,7 +9,8 @@ Phases (a name's prefix is its lane, the decode loop's or the learner's):
   newer version and load it into the engines), `decode` (the engines' segment batches, re-prefill
   included), `store_write` (the stage's append), `admit` (new problems' first groups), `rewards`
   (judging finished outputs) and `advance` (the next agents' groups); and `idle` (nothing to decode).
-- `learner.*`: `poll` (find ready groups), `idle` (waiting for groups), `task` (the `train-step`
+- `learner.*`: `build` (the learner's model, optimizer and resume, once per process and run), `poll`
+  (find ready groups), `idle` (waiting for groups), `task` (the `train-step`
   Prefect task), which holds `step` (the learner's step: `load_samples`, `forward_backward`,
   `optimizer` (clip and step), `checkpoint_write`, `store_commit`, `tracking` (MLflow)) and
   `weight_handover` (the in-memory copy for this process's engines); `task` less those two is

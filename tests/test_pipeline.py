@@ -244,3 +244,44 @@ def test_a_commit_wakes_an_idle_decode_loop_that_the_gate_holds(tmp_path, monkey
         loop.close()
     assert gate.closed_reads > 0 and version >= 3  # the gate held the loop between steps
     assert_exactly_once(store, RUN)
+
+
+def test_a_learner_being_built_leaves_the_processs_store_engines_and_decode_loop_serving(tmp_path, monkeypatch):
+    """A new run's learner builds beside its first rollouts (`flows/train.py`): while the build is held
+    inside its resume, another thread gets the process's store, engines and the run's decode loop."""
+    from marsrl_core.learn.learner import Learner
+    from marsrl_core.runtime import work
+    from marsrl_core.runtime.context import runtime
+    from tests.configs import small_config
+
+    cfg, rt = small_config(tmp_path), runtime()
+    inside, release = threading.Event(), threading.Event()
+    resume = Learner.resume
+
+    def held_resume(self):
+        inside.set()
+        assert release.wait(120)
+        return resume(self)
+
+    monkeypatch.setattr(Learner, "resume", held_resume)
+    builder = threading.Thread(target=rt.learner, args=(cfg, RUN))
+    builder.start()
+    try:
+        assert inside.wait(120), "the learner's build never reached its resume"
+        served = {}
+
+        def serve():
+            served["latest"] = rt.store(cfg).latest_version(RUN)
+            served["engine"] = rt.engines(cfg)
+            served["loop"] = work.rollout_loop(cfg, RUN)
+
+        other = threading.Thread(target=serve)
+        other.start()
+        other.join(120)
+        assert not other.is_alive(), "the process's services waited for the learner's build"
+        assert served["latest"] is None and served["engine"].tokenizer is not None and not served["loop"].ended
+        assert builder.is_alive()  # still held inside its resume
+    finally:
+        release.set()
+        builder.join(120)
+    assert rt.learner(cfg, RUN).step == 0  # built once, resumed from nothing

@@ -38,6 +38,7 @@ from marsrl_core.store import SegmentStore, Store
 from marsrl_core.store.lease import LearnerLease
 from marsrl_core.store.process import StoreProcess
 from marsrl_core.store.recent import RecentSamples, RecentStore
+from marsrl_core.timings import timed
 
 if TYPE_CHECKING:
     from marsrl_core.learn.learner import Learner
@@ -55,6 +56,7 @@ class Runtime:
         self._recent: dict[tuple[str, str], RecentSamples] = {}  # (catalog, data path): shared by the lanes
         self._engines: dict[tuple[str, str, str], BatchingEngine] = {}
         self._learners: dict[str, Learner] = {}
+        self._building: dict[str, threading.Lock] = {}  # run -> held while its learner is built
         self.failed_steps: dict[str, int] = {}  # run -> the step that failed last, until one past it commits
         self._trackers: dict[str, Tracker] = {}
         self._leases: dict[str, LearnerLease] = {}
@@ -194,34 +196,47 @@ class Runtime:
 
     def learner(self, cfg: MarsRLConfig, run_id: str) -> Learner:
         """The run's learner (under the run's learner lease), resumed from its last committed version
-        when first built."""
+        when first built. The build (seconds: model, optimizer, a resume's checkpoint) holds only the
+        run's own build lock, so the process's stores, engines and decode loops serve meanwhile."""
+        with self._lock:
+            if run_id in self._learners:
+                return self._learners[run_id]
+            building = self._building.setdefault(run_id, threading.Lock())
+        with building:
+            with self._lock:
+                if run_id in self._learners:  # another thread built it while this one waited
+                    return self._learners[run_id]
+            with timed("learner.build"):
+                learner = self._build_learner(cfg, run_id)
+            with self._lock:
+                channel = self._channels.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
+                if channel is not None:  # a resume voids the versions after the last durable one
+                    channel.rolled_back(learner.step)
+                self._learners[run_id] = learner
+            return learner
+
+    def _build_learner(self, cfg: MarsRLConfig, run_id: str) -> Learner:
         from transformers import AutoTokenizer
 
         from marsrl_core.learn.distributed import current_ranks
         from marsrl_core.learn.learner import Learner
 
-        with self._lock:
-            if run_id not in self._learners:
-                self.lease(cfg, run_id)
-                folder = policy_folder(cfg)
-                learner = Learner(
-                    cfg,
-                    self.store(cfg, lane="learner"),
-                    run_id,
-                    folder,
-                    checkpoint_root(cfg.output_dir, run_id),
-                    AutoTokenizer.from_pretrained(folder),
-                    self.tracker(cfg, run_id),
-                    ranks=current_ranks(),  # rank 0 of several: the others follow its steps
-                )
-                learner.resume()
-                channel = self._channels.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
-                if channel is not None:  # a resume voids the versions after the last durable one
-                    channel.rolled_back(learner.step)
-                if learner.tracker.resumed:  # the interruption, on the run's MLflow run
-                    learner.tracker.log_metrics({"resumed": 1.0}, step=learner.step)
-                self._learners[run_id] = learner
-            return self._learners[run_id]
+        self.lease(cfg, run_id)
+        folder = policy_folder(cfg)
+        learner = Learner(
+            cfg,
+            self.store(cfg, lane="learner"),
+            run_id,
+            folder,
+            checkpoint_root(cfg.output_dir, run_id),
+            AutoTokenizer.from_pretrained(folder),
+            self.tracker(cfg, run_id),
+            ranks=current_ranks(),  # rank 0 of several: the others follow its steps
+        )
+        learner.resume()
+        if learner.tracker.resumed:  # the interruption, on the run's MLflow run
+            learner.tracker.log_metrics({"resumed": 1.0}, step=learner.step)
+        return learner
 
     def drop_learner(self, run_id: str) -> None:
         """Forget the run's learner: the next `learner()` rebuilds it from the last committed version
