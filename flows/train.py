@@ -114,11 +114,9 @@ def _train(config: MarsRLConfig, run_id: str, evaluate_before: bool, evaluate_af
             # A resumed run's learner is built before any rollout: its resume voids the versions after the
             # last durable one, and the engines start from what remains.
             rt.learner(config, run_id)
-        else:
-            # A new run's learner is built in the learner flow while the first batches decode; the
-            # admission gate holds those to what its first steps can train (`rollout/gate.py`). The
-            # engines are loaded first, so the two threads do not import the same model classes at once.
-            rt.engines(config)
+        # A new run's learner is built in the learner flow while the first batches decode (the engines
+        # load first or after it, `Runtime`); the admission gate holds those batches to what its first
+        # steps can train (`rollout/gate.py`).
         with ThreadPoolExecutor(1) as pool:
             learner = in_thread(pool, _learner_subflow, config, run_id)
             try:

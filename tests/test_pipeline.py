@@ -248,7 +248,8 @@ def test_a_commit_wakes_an_idle_decode_loop_that_the_gate_holds(tmp_path, monkey
 
 def test_a_learner_being_built_leaves_the_processs_store_engines_and_decode_loop_serving(tmp_path, monkeypatch):
     """A new run's learner builds beside its first rollouts (`flows/train.py`): while the build is held
-    inside its resume, another thread gets the process's store, engines and the run's decode loop."""
+    inside its resume, another thread gets the process's store, its loaded engines and the run's decode
+    loop (a model load waits for the build: they take turns)."""
     from marsrl_core.learn.learner import Learner
     from marsrl_core.runtime import work
     from marsrl_core.runtime.context import runtime
@@ -264,6 +265,7 @@ def test_a_learner_being_built_leaves_the_processs_store_engines_and_decode_loop
         return resume(self)
 
     monkeypatch.setattr(Learner, "resume", held_resume)
+    engines = rt.engines(cfg)
     builder = threading.Thread(target=rt.learner, args=(cfg, RUN))
     builder.start()
     try:
@@ -279,7 +281,7 @@ def test_a_learner_being_built_leaves_the_processs_store_engines_and_decode_loop
         other.start()
         other.join(120)
         assert not other.is_alive(), "the process's services waited for the learner's build"
-        assert served["latest"] is None and served["engine"].tokenizer is not None and not served["loop"].ended
+        assert served["latest"] is None and served["engine"] is engines and not served["loop"].ended
         assert builder.is_alive()  # still held inside its resume
     finally:
         release.set()

@@ -57,6 +57,10 @@ class Runtime:
         self._engines: dict[tuple[str, str, str], BatchingEngine] = {}
         self._learners: dict[str, Learner] = {}
         self._building: dict[str, threading.Lock] = {}  # run -> held while its learner is built
+        # Engines and learners load one at a time (transformers' lazy imports from two threads at once
+        # race), outside `_lock`, so the stores and decode loops serve meanwhile.
+        self._loading = threading.Lock()
+        self._learner_wakeups: dict[str, threading.Event] = {}  # run -> set when its rollouts here finish samples
         self.failed_steps: dict[str, int] = {}  # run -> the step that failed last, until one past it commits
         self._trackers: dict[str, Tracker] = {}
         self._leases: dict[str, LearnerLease] = {}
@@ -93,13 +97,19 @@ class Runtime:
             return self._recent.get((cfg.store.catalog_url, cfg.store.data_path))
 
     def engine(self, cfg: MarsRLConfig, agent: str = "policy") -> BatchingEngine:
-        """The engine for `agent` ("policy" when one model serves all agents)."""
+        """The engine for `agent` ("policy" when one model serves all agents), loaded on first use."""
         folder = policy_folder(cfg)
         key = (str(folder), cfg.engine.name, agent)
         with self._lock:
-            if key not in self._engines:
-                self._engines[key] = BatchingEngine(make_engine(cfg, folder))
-            return self._engines[key]
+            if key in self._engines:
+                return self._engines[key]
+        with self._loading:
+            with self._lock:
+                if key in self._engines:  # another thread loaded it while this one waited
+                    return self._engines[key]
+            engine = BatchingEngine(make_engine(cfg, folder))
+            with self._lock:
+                return self._engines.setdefault(key, engine)
 
     def use_engine(self, cfg: MarsRLConfig, engine: Any, agent: str = "policy") -> BatchingEngine:
         """Make `engine` (any object with the engine interface: `decode_segment`, `update_weights`,
@@ -125,7 +135,8 @@ class Runtime:
             loop = self._loops.get(key)
             if loop is None or (loop.ended and not loop.diverged):
                 interrupted = lambda: self.interrupted(run_id)  # noqa: E731
-                loop = self._loops[key] = RolloutLoop(make_scheduler, interrupted=interrupted)
+                finished = lambda: self.wake_learner(run_id)  # noqa: E731
+                loop = self._loops[key] = RolloutLoop(make_scheduler, interrupted=interrupted, finished=finished)
             return loop
 
     def wake_rollouts(self, cfg: MarsRLConfig, run_id: str) -> None:
@@ -135,6 +146,19 @@ class Runtime:
             loop = self._loops.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
         if loop is not None:
             loop.wake()
+
+    def wake_learner(self, run_id: str) -> None:
+        """This process's decode loop of the run finished samples: its learner here, if idle, polls now."""
+        with self._lock:
+            woken = self._learner_wakeups.setdefault(run_id, threading.Event())
+        woken.set()
+
+    def wait_for_rollouts(self, run_id: str, timeout_s: float) -> None:
+        """The run's learner idles for `timeout_s`, or until this process's decode loop finishes samples."""
+        with self._lock:
+            woken = self._learner_wakeups.setdefault(run_id, threading.Event())
+        woken.wait(timeout_s)
+        woken.clear()
 
     def checker(self, cfg: MarsRLConfig, run_id: str) -> OutcomeChecker:
         """The run's outcome checker in this process (`agents/outcomes.py`: `outcome.workers` processes,
@@ -196,8 +220,9 @@ class Runtime:
 
     def learner(self, cfg: MarsRLConfig, run_id: str) -> Learner:
         """The run's learner (under the run's learner lease), resumed from its last committed version
-        when first built. The build (seconds: model, optimizer, a resume's checkpoint) holds only the
-        run's own build lock, so the process's stores, engines and decode loops serve meanwhile."""
+        when first built. The build (seconds: model, optimizer, a resume's checkpoint) holds the run's
+        own build lock and the model-loading one, so the process's stores and decode loops serve
+        meanwhile."""
         with self._lock:
             if run_id in self._learners:
                 return self._learners[run_id]
@@ -206,7 +231,7 @@ class Runtime:
             with self._lock:
                 if run_id in self._learners:  # another thread built it while this one waited
                     return self._learners[run_id]
-            with timed("learner.build"):
+            with timed("learner.build"), self._loading:
                 learner = self._build_learner(cfg, run_id)
             with self._lock:
                 channel = self._channels.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
