@@ -19,8 +19,9 @@ rollout side of a split run) both use it. Subflows run in threads of their own w
 flow's context (no wrapper task), and are created one at a time: on the local server's SQLite,
 concurrent writes conflict and the client retries the losing request after 2 s.
 
-When the run's learner has its steps (`stop`), the problems not yet admitted are dropped and the
-batches in flight end with what they have. When the calling flow stops (a signal, Ctrl-C, a batch
+When the run's learner has its steps (`stop`), the problems not yet admitted are dropped and those
+in flight end at the next stage boundary with what they have stored (nothing more of them would be
+trained). When the calling flow stops (a signal, Ctrl-C, a batch
 that failed), the decode loop stops at its next stage boundary (`Runtime.interrupt`): a stop takes
 one stage, and a resume continues from the stored segments. A decode that finds the policy diverged
 (`PolicyDiverged`) ends the batches in flight Failed with that one line.
@@ -100,8 +101,8 @@ def run_batches(
 ) -> dict[str, int]:
     """Rollout flows for `batches`, in order, as subflows of the calling flow (each in a thread of its
     own), `rollout.batches_in_flight` + `PREPARED_AHEAD` at a time (see `keep_in_flight`). Once `stop()`
-    holds, no batch starts and the problems not yet admitted are dropped. Returns how many batches ran
-    and the samples they decoded."""
+    holds, no batch starts, the problems not yet admitted are dropped and those in flight end. Returns
+    how many batches ran and the samples they decoded."""
     limit = config.rollout.batches_in_flight + PREPARED_AHEAD
     loop = work.rollout_loop(config, run_id)
     loop.stop_when(stop)

@@ -12,8 +12,9 @@ loop waits between stages, from `idle_s` growing to half a second, instead of sp
 process's learner committed a version, which may make room at the gate and brings new weights) ends
 the wait at once. The other way, a stage in which samples finished calls `finished()` (the process's
 learner looks for a ready step at once instead of at the end of its own back-off). Once `stop_when()`
-says so (the run's learner has its steps) the problems not yet admitted are dropped, so
-the batches in flight end with what they have. A stage that fails (an engine or store error,
+says so (the run's learner has its steps) the problems not yet admitted are dropped and those in
+flight end at that stage boundary with what they have stored (nothing more of them would be trained;
+a resume continues them). A stage that fails (an engine or store error,
 `RolloutBehindStore`) is retried by a new scheduler resumed from the store (nothing stored is decoded
 again), up to `max_restarts` times in a row; then, at once when the policy diverged (`PolicyDiverged`),
 or when `interrupted()` (the process is stopping), every waiter gets the error and the loop ends: the
@@ -131,13 +132,15 @@ class RolloutLoop:
                 self._changed.wait(left if left is not None else 1.0)
 
     def stop_when(self, condition: Callable[[], bool]) -> None:
-        """From now on, drop the problems not admitted yet once `condition()` holds (asked every
-        `stop_check_s`); problems are admitted again until then."""
+        """From now on, stop the batches once `condition()` holds (asked every `stop_check_s`): the
+        problems not admitted yet are dropped and those in flight end; problems are admitted again
+        until then."""
         with self._lock:
             self._stop_when, self._admitting = condition, True
 
     def stop_admitting(self) -> None:
-        """Drop the problems not admitted yet (at the next stage boundary), and in batches added later."""
+        """At the next stage boundary, drop the problems not admitted yet and end those in flight; the
+        same for batches added later."""
         with self._changed:
             self._inbox.append(("stop", -1, None, False))
             self._changed.notify_all()

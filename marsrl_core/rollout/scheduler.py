@@ -115,7 +115,6 @@ class RolloutScheduler:
         self.started_groups: Counter[str] = Counter()  # groups this scheduler created, per agent
         self.stored_groups: Counter[str] = Counter()  # and those of them its appends stored
         self.dropped: Counter[int | None] = Counter()  # problems dropped unadmitted or cut short, per batch
-        self.draining = False  # stopping: no admission, and no waiting at the gate
         self.synchronous = self.rc.synchronous
         self.gate = gate
         self.judge = judge
@@ -185,11 +184,15 @@ class RolloutScheduler:
         self.waiting = deque((b, p) for b, p in self.waiting if b != batch)
 
     def drop_waiting(self) -> int:
-        """Forget the problems not admitted yet, and end a trajectory whose next turn the gate holds (a
-        run that is stopping); returns how many problems were dropped or cut short so far."""
-        self.draining = True
+        """A run that is stopping: forget the problems not admitted yet and end every admitted problem's
+        trajectory where it is (what it decoded is stored, and a resume continues it); returns how many
+        problems were dropped or cut short so far."""
         self.dropped.update(batch for batch, _ in self.waiting)
         self.waiting.clear()
+        for state in self.states.values():
+            if not state.done:
+                state.done = True
+                self.dropped[state.batch] += 1
         return sum(self.dropped.values())
 
     def batch_progress(self, batch: int | None) -> BatchProgress:
@@ -349,11 +352,9 @@ class RolloutScheduler:
             agent, room = agent_of_turn(turn + 1), self.rc.select_inputs
             if self.gate is None or self.gate.room(agent, room, self.started_groups, self.stored_groups, self.version):
                 created = self._downstream(state, turn + 1, current, rejected)
-            elif not self.draining:
+            else:
                 self.stats["held_turns"] += 1  # the learner has not caught up with this agent: next stage
                 return []
-            else:  # the run is stopping: the trajectory ends here, and its batch counts as cut short
-                self.dropped[state.batch] += 1
         if created:
             state.turns[turn + 1] = created
             return created
