@@ -2,8 +2,7 @@
 the step budget, or once the rollouts have finished and nothing is left to train on.
 
 Each poll is a direct question to the process's runtime (`work.ready_groups`, one store query every
-`poll_s`, backing off while idle, and reused while no commit has changed the lake); a decode loop of
-the run in this process ends an idle wait when it finishes samples; a task would
+`poll_s`, backing off while idle, and reused while no commit has changed the lake); a task would
 cost 50-200 ms of Prefect bookkeeping each time. A step is a `train-step` task that gets the groups
 the poll found as its argument. The step count is read from the runtime's learner after every step,
 so a step that failed and was retried (by a rebuilt learner) still counts once. Every
@@ -102,7 +101,7 @@ def learner_flow(
             break
         else:  # idle: back off, so a learner waiting for rollouts queries the store less often
             with timed("learner.idle"):
-                rt.wait_for_rollouts(run_id, wait_s)  # woken early when the rollouts here finish samples
+                time.sleep(wait_s)
             wait_s = min(wait_s * 1.5, max(poll_s, MAX_IDLE_POLL_S))
     if rt.interrupted(run_id):  # no checkpoint upload either: a SIGKILL may follow the SIGTERM soon
         say(f"learner stopped at step {step} of {budget}: its process is stopping")

@@ -10,15 +10,13 @@ batch's `BatchProgress`; the flows' turn tasks wait there for their turn to fini
 When nothing can be decoded (the admission gate holds every waiting problem, or nothing is left), the
 loop waits between stages, from `idle_s` growing to half a second, instead of spinning; `wake()` (the
 process's learner committed a version, which may make room at the gate and brings new weights) ends
-the wait at once. The other way, a stage in which samples finished calls `finished()` (the process's
-learner looks for a ready step at once instead of at the end of its own back-off). Once `stop_when()`
-says so (the run's learner has its steps) the problems not yet admitted are dropped and those in
-flight end at that stage boundary with what they have stored (nothing more of them would be trained;
-a resume continues them). A stage that fails (an engine or store error,
-`RolloutBehindStore`) is retried by a new scheduler resumed from the store (nothing stored is decoded
-again), up to `max_restarts` times in a row; then, at once when the policy diverged (`PolicyDiverged`),
-or when `interrupted()` (the process is stopping), every waiter gets the error and the loop ends: the
-next `add_batch` is refused, and the process's runtime makes a new loop.
+the wait at once. Once `stop_when()` says so (the run's learner has its steps) the problems not yet
+admitted are dropped and those in flight end at that stage boundary with what they have stored
+(nothing more of them would be trained; a resume continues them). A stage that fails (an engine or
+store error, `RolloutBehindStore`) is retried by a new scheduler resumed from the store (nothing
+stored is decoded again), up to `max_restarts` times in a row; then, at once when the policy diverged
+(`PolicyDiverged`), or when `interrupted()` (the process is stopping), every waiter gets the error and
+the loop ends: the next `add_batch` is refused, and the process's runtime makes a new loop.
 
 Deliberate simplification: the loop's stages run one after another in its thread; the engine is the
 only place work runs in parallel (vLLM's own scheduler, or a batched forward).
@@ -49,13 +47,12 @@ class RolloutLoop:
         make_scheduler: Callable[[], Any],
         *,
         interrupted: Callable[[], bool] = lambda: False,
-        finished: Callable[[], None] = lambda: None,
         max_restarts: int = 2,
         idle_s: float = 0.05,
         stop_check_s: float = 0.5,
     ):
         self._make_scheduler = make_scheduler
-        self._interrupted, self._finished = interrupted, finished
+        self._interrupted = interrupted
         self.max_restarts, self.idle_s, self.stop_check_s = max_restarts, idle_s, stop_check_s
         self._lock = threading.RLock()  # the scheduler: stages, batch changes, a rebuild
         self._changed = threading.Condition()  # progress, error, the inbox
@@ -198,8 +195,6 @@ class RolloutLoop:
                     self.stages += 1
                     if report.decoded:
                         self.decode_batch_sizes.append(report.decoded)
-                    if report.finished:
-                        self._finished()
                     idle = not report.decoded and not report.admitted
                 self._publish()
             idle_stages = min(idle_stages + 1, 20) if idle else 0

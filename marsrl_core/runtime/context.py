@@ -60,7 +60,6 @@ class Runtime:
         # Engines and learners load one at a time (transformers' lazy imports from two threads at once
         # race), outside `_lock`, so the stores and decode loops serve meanwhile.
         self._loading = threading.Lock()
-        self._learner_wakeups: dict[str, threading.Event] = {}  # run -> set when its rollouts here finish samples
         self.failed_steps: dict[str, int] = {}  # run -> the step that failed last, until one past it commits
         self._trackers: dict[str, Tracker] = {}
         self._leases: dict[str, LearnerLease] = {}
@@ -135,8 +134,7 @@ class Runtime:
             loop = self._loops.get(key)
             if loop is None or (loop.ended and not loop.diverged):
                 interrupted = lambda: self.interrupted(run_id)  # noqa: E731
-                finished = lambda: self.wake_learner(run_id)  # noqa: E731
-                loop = self._loops[key] = RolloutLoop(make_scheduler, interrupted=interrupted, finished=finished)
+                loop = self._loops[key] = RolloutLoop(make_scheduler, interrupted=interrupted)
             return loop
 
     def wake_rollouts(self, cfg: MarsRLConfig, run_id: str) -> None:
@@ -146,19 +144,6 @@ class Runtime:
             loop = self._loops.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
         if loop is not None:
             loop.wake()
-
-    def wake_learner(self, run_id: str) -> None:
-        """This process's decode loop of the run finished samples: its learner here, if idle, polls now."""
-        with self._lock:
-            woken = self._learner_wakeups.setdefault(run_id, threading.Event())
-        woken.set()
-
-    def wait_for_rollouts(self, run_id: str, timeout_s: float) -> None:
-        """The run's learner idles for `timeout_s`, or until this process's decode loop finishes samples."""
-        with self._lock:
-            woken = self._learner_wakeups.setdefault(run_id, threading.Event())
-        woken.wait(timeout_s)
-        woken.clear()
 
     def checker(self, cfg: MarsRLConfig, run_id: str) -> OutcomeChecker:
         """The run's outcome checker in this process (`agents/outcomes.py`: `outcome.workers` processes,
