@@ -4,11 +4,11 @@ One run of the train flow (the one `make train` runs, evaluation off) with `roll
 Solver alone), from its first rollout to its last step. The decode loop and the learner are two lanes
 that run at once; each lane's phases are listed with their share of the run's wall-clock:
 - decode loop: weights (poll and load a newer version), decode (re-prefill included), store writes,
-  admitting problems, rewards, the next agents' groups, the rest of a stage, idle, the wait for the
-  learner's build (the train flow builds it before any rollout), the scheduler's and engines' set-up,
-  the time with no batch in the loop (the next rollout subflow not yet started), and the rest outside
-  its stages (the first subflow's start, between stages, after the last);
-- learner: poll, load samples, forward/backward, optimizer, the wait for a background durable write
+  admitting problems, rewards, the next agents' groups, the rest of a stage, idle, the scheduler's
+  and engines' set-up, the time with no batch in the loop (the next rollout subflow not yet started),
+  and the rest outside its stages (the first subflow's start, between stages, after the last);
+- learner: its build (model, optimizer, resume; beside the first rollouts in a new run), poll, load
+  samples, forward/backward, optimizer, the wait for a background durable write
   (`learner.async_save`), checkpoint write, store commit, MLflow, weight hand-over, Prefect's
   bookkeeping (the train-step task less the step and the hand-over), compaction, idle; and the
   background durable write itself (a thread beside the step: not part of its time);
