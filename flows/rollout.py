@@ -20,7 +20,7 @@ flow's context (no wrapper task), and are created one at a time: on the local se
 concurrent writes conflict and the client retries the losing request after 2 s.
 
 When the run's learner has its steps (`stop`), the problems not yet admitted are dropped and those
-in flight end at the next stage boundary with what they have stored (nothing more of them would be
+in flight finish the samples they are decoding but start no next turn (nothing more of them would be
 trained). When the calling flow stops (a signal, Ctrl-C, a batch
 that failed), the decode loop stops at its next stage boundary (`Runtime.interrupt`): a stop takes
 one stage, and a resume continues from the stored segments. A decode that finds the policy diverged
@@ -101,8 +101,8 @@ def run_batches(
 ) -> dict[str, int]:
     """Rollout flows for `batches`, in order, as subflows of the calling flow (each in a thread of its
     own), `rollout.batches_in_flight` + `PREPARED_AHEAD` at a time (see `keep_in_flight`). Once `stop()`
-    holds, no batch starts, the problems not yet admitted are dropped and those in flight end. Returns
-    how many batches ran and the samples they decoded."""
+    holds, no batch starts, the problems not yet admitted are dropped and those in flight start no next
+    turn. Returns how many batches ran and the samples they decoded."""
     limit = config.rollout.batches_in_flight + PREPARED_AHEAD
     loop = work.rollout_loop(config, run_id)
     loop.stop_when(stop)

@@ -151,20 +151,22 @@ def test_a_failed_stage_resumes_from_the_store_and_repeated_failures_reach_the_w
     assert broken.restarts == broken.max_restarts and broken.ended
 
 
-def test_a_stop_ends_the_problems_in_flight_at_the_next_stage_boundary(tmp_path):
+def test_a_stop_lets_the_samples_in_flight_finish_and_starts_no_next_turn(tmp_path):
     """Once the loop's stop condition holds (the run's learner has its steps), a problem still decoding
-    is decoded no further: its batch ends at the next stage boundary, cut short, with what it decoded
-    stored; a problem not admitted yet never starts."""
-    cfg = _cfg(tmp_path, max_turns=1, problems_per_batch=1, batches_in_flight=1)
+    finishes the samples it has started but starts no next turn: its batch ends cut short, every
+    stored sample has its reward, and a problem not admitted yet never starts."""
+    cfg = _cfg(tmp_path, max_turns=2, problems_per_batch=1, batches_in_flight=1)
     store = SegmentStore.from_config(cfg.store)
     engine = ScriptedEngine(_lengths_script("0+0"))  # b0-0's Solvers need three segments
     loop = RolloutLoop(lambda: RolloutScheduler(cfg, store, RUN, engine, engine.tokenizer, ROLES), stop_check_s=0.0)
     loop.stop_when(lambda: loop.stages >= 1)
     loop.add_batch(0, _problems(2))  # b0-1 waits: one problem in flight at a time
     progress = loop.wait(0, lambda p: p.ended, timeout_s=60)
-    assert not progress.complete and progress.samples[0] == 2 and progress.finished[0] == 0
+    assert not progress.complete and progress.samples[0] == progress.finished[0] == 2
+    assert progress.samples[1] == 0  # no Verifier group started after the stop
     rows = store.query("SELECT s.problem_id FROM segments g JOIN samples s USING (run_id, sample_id)").to_pylist()
-    assert [r["problem_id"] for r in rows] == ["b0-0", "b0-0"]  # one segment of each sample, then the stop
+    assert [r["problem_id"] for r in rows] == ["b0-0"] * 6  # each Solver sample's three segments
+    assert store.count("rewards", RUN) == store.count("samples", RUN) == 2
     loop.close()
     assert_exactly_once(store, RUN)
 

@@ -11,8 +11,8 @@ When nothing can be decoded (the admission gate holds every waiting problem, or 
 loop waits between stages, from `idle_s` growing to half a second, instead of spinning; `wake()` (the
 process's learner committed a version, which may make room at the gate and brings new weights) ends
 the wait at once. Once `stop_when()` says so (the run's learner has its steps) the problems not yet
-admitted are dropped and those in flight end at that stage boundary with what they have stored
-(nothing more of them would be trained; a resume continues them). A stage that fails (an engine or
+admitted are dropped and those in flight finish the samples they are decoding but start no next
+turn (nothing more of them would be trained). A stage that fails (an engine or
 store error, `RolloutBehindStore`) is retried by a new scheduler resumed from the store (nothing
 stored is decoded again), up to `max_restarts` times in a row; then, at once when the policy diverged
 (`PolicyDiverged`), or when `interrupted()` (the process is stopping), every waiter gets the error and
@@ -130,14 +130,14 @@ class RolloutLoop:
 
     def stop_when(self, condition: Callable[[], bool]) -> None:
         """From now on, stop the batches once `condition()` holds (asked every `stop_check_s`): the
-        problems not admitted yet are dropped and those in flight end; problems are admitted again
-        until then."""
+        problems not admitted yet are dropped and those in flight start no next turn; problems are
+        admitted again until then."""
         with self._lock:
             self._stop_when, self._admitting = condition, True
 
     def stop_admitting(self) -> None:
-        """At the next stage boundary, drop the problems not admitted yet and end those in flight; the
-        same for batches added later."""
+        """At the next stage boundary, drop the problems not admitted yet and start no next turn of those
+        in flight; the same for batches added later."""
         with self._changed:
             self._inbox.append(("stop", -1, None, False))
             self._changed.notify_all()

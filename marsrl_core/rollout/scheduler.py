@@ -115,6 +115,7 @@ class RolloutScheduler:
         self.started_groups: Counter[str] = Counter()  # groups this scheduler created, per agent
         self.stored_groups: Counter[str] = Counter()  # and those of them its appends stored
         self.dropped: Counter[int | None] = Counter()  # problems dropped unadmitted or cut short, per batch
+        self.draining = False  # stopping: no admission and no next turn
         self.synchronous = self.rc.synchronous
         self.gate = gate
         self.judge = judge
@@ -184,15 +185,11 @@ class RolloutScheduler:
         self.waiting = deque((b, p) for b, p in self.waiting if b != batch)
 
     def drop_waiting(self) -> int:
-        """A run that is stopping: forget the problems not admitted yet and end every admitted problem's
-        trajectory where it is (what it decoded is stored, and a resume continues it); returns how many
-        problems were dropped or cut short so far."""
+        """A stopping run: forget the problems not admitted; those admitted finish the samples they
+        decode but start no next turn. Returns how many problems were dropped or cut short so far."""
+        self.draining = True
         self.dropped.update(batch for batch, _ in self.waiting)
         self.waiting.clear()
-        for state in self.states.values():
-            if not state.done:
-                state.done = True
-                self.dropped[state.batch] += 1
         return sum(self.dropped.values())
 
     def batch_progress(self, batch: int | None) -> BatchProgress:
@@ -350,7 +347,11 @@ class RolloutScheduler:
         created: list[Sample] = []
         if turn + 1 < self.rc.max_turns and has_next_turn(turn + 1, current):
             agent, room = agent_of_turn(turn + 1), self.rc.select_inputs
-            if self.gate is None or self.gate.room(agent, room, self.started_groups, self.stored_groups, self.version):
+            if self.draining:  # the run is stopping: the trajectory ends here, and its batch counts as cut short
+                self.dropped[state.batch] += 1
+            elif self.gate is None or self.gate.room(
+                agent, room, self.started_groups, self.stored_groups, self.version
+            ):
                 created = self._downstream(state, turn + 1, current, rejected)
             else:
                 self.stats["held_turns"] += 1  # the learner has not caught up with this agent: next stage
