@@ -56,7 +56,6 @@ class Runtime:
         self._recent: dict[tuple[str, str], RecentSamples] = {}  # (catalog, data path): shared by the lanes
         self._engines: dict[tuple[str, str, str], BatchingEngine] = {}
         self._learners: dict[str, Learner] = {}
-        self._building: dict[str, threading.Lock] = {}  # run -> held while its learner is built
         # Engines and learners load one at a time (transformers' lazy imports from two threads at once
         # race), outside `_lock`, so the stores and decode loops serve meanwhile.
         self._loading = threading.Lock()
@@ -205,18 +204,16 @@ class Runtime:
 
     def learner(self, cfg: MarsRLConfig, run_id: str) -> Learner:
         """The run's learner (under the run's learner lease), resumed from its last committed version
-        when first built. The build (seconds: model, optimizer, a resume's checkpoint) holds the run's
-        own build lock and the model-loading one, so the process's stores and decode loops serve
-        meanwhile."""
+        when first built. The build (seconds: model, optimizer, a resume's checkpoint) holds the
+        model-loading lock, not the runtime's, so the process's stores and decode loops serve meanwhile."""
         with self._lock:
             if run_id in self._learners:
                 return self._learners[run_id]
-            building = self._building.setdefault(run_id, threading.Lock())
-        with building:
+        with self._loading:
             with self._lock:
                 if run_id in self._learners:  # another thread built it while this one waited
                     return self._learners[run_id]
-            with timed("learner.build"), self._loading:
+            with timed("learner.build"):
                 learner = self._build_learner(cfg, run_id)
             with self._lock:
                 channel = self._channels.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
