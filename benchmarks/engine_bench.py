@@ -6,7 +6,10 @@ Writes benchmarks/results/engine.json with hf_tokens_per_s and hf_sequential_tok
 size), hf_batched_speedup_b32, hf_weight_update_s, vllm_tokens_per_s (per batch size),
 vllm_startup_s and vllm_weight_update_s (null without vLLM), and the prefill of 16 prompts of 300
 tokens with a Qwen3-sized vocabulary, logits of the last position only against every position:
-hf_prefill_last_logits_s, hf_prefill_all_logits_s, hf_prefill_all_logits_gb, hf_prefill_speedup.
+hf_prefill_last_logits_s, hf_prefill_all_logits_s, hf_prefill_all_logits_gb, hf_prefill_speedup;
+and three segments of 32 outputs of 600-token prompts with the contexts kept from segment to segment
+against re-encoded (hf_kv_kept_s, hf_kv_reencoded_s, hf_kv_speedup), and re-encoded with 4 prompts
+shared by groups of 8 against 32 distinct ones (hf_shared_prompt_s, hf_shared_prompt_speedup).
 """
 
 from __future__ import annotations
@@ -75,6 +78,43 @@ def prefill_figures(batch: int = 16, prompt_tokens: int = 300, vocab: int = 1519
     }
 
 
+def kv_cache_figures(folder: Path, rows: int = 32, prompt_tokens: int = 600, segments: int = 3) -> dict:
+    """Three segments of `rows` outputs with long prompts, as segment rollouts decode them: contexts kept
+    from the previous segment (`engine.kv_cache_mb`) against re-encoded, and a group's shared prompt
+    (4 prompts for 32 rows) against 32 distinct prompts; each the best of three."""
+
+    def seconds(kv_cache_mb: float, distinct_prompts: int) -> float:
+        engine = HFEngine.from_pretrained(folder, kv_cache_mb=kv_cache_mb)
+        engine.eos_id = -1  # every output runs its segments
+        generator = torch.Generator().manual_seed(0)
+        prompts = [
+            torch.randint(4, 90, (prompt_tokens,), generator=generator).tolist() for _ in range(distinct_prompts)
+        ]
+        best = float("inf")
+        for _ in range(3):
+            outputs: list[list[int]] = [[] for _ in range(rows)]
+            start = time.perf_counter()
+            for _ in range(segments):
+                requests = [
+                    SegmentRequest(prompts[i * distinct_prompts // rows], outputs[i], 32, SamplingParams(seed=i))
+                    for i in range(rows)
+                ]
+                for output, result in zip(outputs, engine.decode_segment(requests)):
+                    output.extend(result.token_ids)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    kept, encoded, shared = seconds(256, rows), seconds(0, rows), seconds(0, 4)
+    return {
+        "hf_kv_shape": {"rows": rows, "prompt_tokens": prompt_tokens, "segments": segments, "segment_tokens": 32},
+        "hf_kv_kept_s": kept,
+        "hf_kv_reencoded_s": encoded,
+        "hf_kv_speedup": encoded / kept,
+        "hf_shared_prompt_s": shared,
+        "hf_shared_prompt_speedup": encoded / shared,
+    }
+
+
 def vllm_figures(folder: Path, state: dict, tokenizer) -> dict:
     try:
         import vllm  # noqa: F401
@@ -111,6 +151,8 @@ def main() -> None:
         engine.update_weights(1, state)
         figures["hf_weight_update_s"] = time.perf_counter() - start
         figures.update(vllm_figures(folder, state, engine.tokenizer))
+        long_folder = build_tiny_model(Path(tmp) / "tiny-1k", max_position_embeddings=1024)
+        figures.update(kv_cache_figures(long_folder))
     figures.update(prefill_figures())
     figures["hf_batched_speedup_b32"] = rows[-1][3]
     print_rows(
@@ -125,6 +167,13 @@ def main() -> None:
         f"last position only {figures['hf_prefill_last_logits_s']:.2f} s, every position "
         f"{figures['hf_prefill_all_logits_s']:.2f} s ({figures['hf_prefill_all_logits_gb']:.1f} GB of logits): "
         f"{figures['hf_prefill_speedup']:.1f}x"
+    )
+    kv = figures["hf_kv_shape"]
+    print(
+        f"hf, {kv['segments']} segments of {kv['segment_tokens']} tokens for {kv['rows']} outputs of "
+        f"{kv['prompt_tokens']}-token prompts: contexts kept {figures['hf_kv_kept_s']:.2f} s, re-encoded "
+        f"{figures['hf_kv_reencoded_s']:.2f} s ({figures['hf_kv_speedup']:.2f}x); 4 shared prompts, re-encoded "
+        f"{figures['hf_shared_prompt_s']:.2f} s ({figures['hf_shared_prompt_speedup']:.2f}x)"
     )
     if figures["vllm_startup_s"] is not None:
         print_rows(

@@ -3,7 +3,8 @@
 One run of the train flow (the one `make train` runs, evaluation off) with `rollout.max_turns=1` (the
 Solver alone), from its first rollout to its last step. The decode loop and the learner are two lanes
 that run at once; each lane's phases are listed with their share of the run's wall-clock:
-- decode loop: weights (poll and load a newer version), decode (re-prefill included), store writes,
+- decode loop: weights (poll and load a newer version), decode (its prefill of contexts the engine
+  did not keep from a sample's previous segment, and its token steps), store writes,
   admitting problems, rewards, the next agents' groups, the rest of a stage, idle, the scheduler's
   and engines' set-up, the time with no batch in the loop (the next rollout subflow not yet started),
   and the rest outside its stages (the first subflow's start, between stages, after the last);
@@ -89,7 +90,11 @@ STEP_PARTS = {
 }
 # name in the table (its lane first): (the phases it sums, the phases it subtracts)
 ROWS = {
-    **{f"rollout: {name}": ([f"rollout.{phase}"], []) for name, phase in STAGE_PARTS.items()},
+    **{f"rollout: {name}": ([f"rollout.{phase}"], []) for name, phase in STAGE_PARTS.items() if name != "decode"},
+    # the engines' segment batches: the prefill of contexts not kept from a sample's previous segment
+    # (`engines/kv_cache.py`), and the token steps
+    "rollout: decode, prefill": (["rollout.prefill"], []),
+    "rollout: decode, token steps": (["rollout.decode"], ["rollout.prefill"]),
     "rollout: stage, the rest": (["rollout.stage"], [f"rollout.{phase}" for phase in STAGE_PARTS.values()]),
     "rollout: idle": (["rollout.idle"], []),
     "rollout: scheduler and engine set-up": (["rollout.build"], []),

@@ -66,6 +66,7 @@ def make_engine(cfg: MarsRLConfig, folder: Path):
             dtype=cfg.model.dtype,
             device=device,
             attn=attn_implementation(cfg.model.attn_implementation, device),
+            kv_cache_mb=cfg.engine.kv_cache_mb,
         )
     if cfg.engine.name == "vllm":
         from marsrl_core.engines.vllm import VLLMEngine

@@ -6,9 +6,10 @@ A span costs two `perf_counter` calls and a lock (about a microsecond), so it is
 
 Phases (a name's prefix is its lane, the decode loop's or the learner's):
 - `rollout.*`: `stage` (one stage of the decode loop), which holds `weights` (poll the store for a
-  newer version and load it into the engines), `decode` (the engines' segment batches, re-prefill
-  included), `store_write` (the stage's append), `admit` (new problems' first groups), `rewards`
-  (judging finished outputs) and `advance` (the next agents' groups); and `idle` (nothing to decode).
+  newer version and load it into the engines), `decode` (the engines' segment batches; within it
+  `prefill`, the transformers engine's encoding of contexts it did not keep), `store_write` (the
+  stage's append), `admit` (new problems' first groups), `rewards` (judging finished outputs) and
+  `advance` (the next agents' groups); and `idle` (nothing to decode).
 - `learner.*`: `build` (the learner's model, optimizer and resume, once per process and run), `poll`
   (find ready groups), `idle` (waiting for groups), `task` (the `train-step`
   Prefect task), which holds `step` (the learner's step: `load_samples`, `forward_backward`,

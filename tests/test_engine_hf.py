@@ -11,6 +11,7 @@ import torch
 from marsrl_core.demo.tiny import build_tiny_model
 from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, TextGenerator, generate
 from marsrl_core.engines.hf import HFEngine, load_safetensors_state
+from marsrl_core.engines.kv_cache import SegmentKVCache
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -64,7 +65,8 @@ def test_a_prefill_projects_only_the_last_position_onto_the_vocabulary(engine):
         assert shapes[0][:2] == (2, 1) and len(prompts[0]) > 1
         engine.last_logits_only = False
         every = engine.decode_segment(requests)
-        assert shapes[len(shapes) // 2][:2] == (2, max(len(p) for p in prompts))
+        # the prefill encodes each prompt but its last token, which the first decode step feeds
+        assert shapes[len(shapes) // 2][:2] == (2, max(len(p) for p in prompts) - 1)
     finally:
         hook.remove()
         engine.last_logits_only = True
@@ -193,3 +195,85 @@ def test_weight_update_from_a_checkpoint_with_tied_embeddings(tmp_path):
     got = engine.decode_segment([SegmentRequest(prompt, (), 8, GREEDY)])[0]
     want = reference.decode_segment([SegmentRequest(prompt, (), 8, GREEDY)])[0]
     assert got.token_ids == want.token_ids and got.policy_version == 1
+
+
+def _positions_encoded(engine):
+    """A list that collects, per forward pass, how many positions the model encoded (batch x width)."""
+    seen: list[int] = []
+    hook = engine.model.get_input_embeddings().register_forward_hook(
+        lambda m, i, out: seen.append(out.shape[0] * out.shape[1])
+    )
+    return seen, hook
+
+
+def test_a_samples_next_segment_starts_from_its_kept_keys_and_values(folder):
+    """Segments continued from the kept keys and values decode what re-encoding the prefix decodes, and
+    encode only the new tokens: each later segment's rows are all hits, with no prefill."""
+    cached, fresh = HFEngine.from_pretrained(folder), HFEngine.from_pretrained(folder, kv_cache_mb=0)
+    cached.eos_id = fresh.eos_id = -1  # every output runs its 30 tokens
+    prompts = _ids(cached, "S|1+2|", "S|3+4+5+6+7|", "V|9|")
+    hot = SamplingParams(temperature=1.0, seed=3)
+    seen, hook = _positions_encoded(cached)
+    try:
+        with_cache = generate(cached, prompts, 30, 7, hot)
+    finally:
+        hook.remove()
+    without = generate(fresh, prompts, 30, 7, hot)
+    for a, b in zip(with_cache, without):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 30
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    segments = 5  # 30 tokens in segments of 7
+    assert cached.kv_cache.hits == 3 * (segments - 1) and fresh.kv_cache.hits == 0
+    # One prefill (the first segment's), then one position per row and step: 3 rows x 30 tokens.
+    assert len(seen) == 1 + 30 and sum(seen[1:]) == 3 * 30
+    # The engine cannot tell a spent budget from a segment's end: each output's last entry stays until
+    # evicted or the next weight load empties the cache.
+    assert len(cached.kv_cache) == 3
+
+
+def test_rows_that_share_a_prompt_are_prefilled_once(engine):
+    """A group's samples share their prompt: the segment's prefill encodes it once, and each row samples
+    as it would alone."""
+    prompt, other = _ids(engine, "S|1+2+3|", "V|4+4|x|")
+    requests = [SegmentRequest(prompt, (), 5, SamplingParams(temperature=1.0, seed=i)) for i in range(4)]
+    requests.append(SegmentRequest(other, (), 5, SamplingParams(temperature=1.0, seed=9)))
+    seen, hook = _positions_encoded(engine)
+    try:
+        together = engine.decode_segment(requests)
+    finally:
+        hook.remove()
+    assert seen[0] == 2 * (max(len(prompt), len(other)) - 1)  # two distinct contexts, not five rows
+    alone = [engine.decode_segment([r])[0] for r in requests]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert len({tuple(r.token_ids) for r in together[:4]}) > 1  # the shared prompt's samples still differ
+
+
+def test_new_weights_empty_the_kv_cache(engine, folder, tmp_path):
+    """Keys and values of the old weights are never continued: after a weight load the next segment
+    decodes what an engine holding only the new weights decodes from the same prefix."""
+    prompt = _ids(engine, "S|1+2|")[0]
+    first = engine.decode_segment([SegmentRequest(prompt, (), 6, GREEDY)])[0]
+    assert len(engine.kv_cache) == 1
+    other = build_tiny_model(tmp_path / "other", max_position_embeddings=128, seed=7)
+    engine.update_weights(1, other)
+    assert len(engine.kv_cache) == 0
+    got = engine.decode_segment([SegmentRequest(prompt, first.token_ids, 6, GREEDY)])[0]
+    want = HFEngine.from_pretrained(other).decode_segment([SegmentRequest(prompt, first.token_ids, 6, GREEDY)])[0]
+    assert got.token_ids == want.token_ids and got.policy_version == 1
+
+
+def test_the_kv_cache_evicts_the_oldest_entries_past_its_budget():
+    def entry(tokens: int):
+        return [(torch.zeros(2, tokens, 4), torch.zeros(2, tokens, 4))]  # 2 x 2 x tokens x 4 floats
+
+    cache = SegmentKVCache(max_bytes=3 * 64 * 10)  # three entries of 10 tokens
+    for key in range(4):
+        cache.put((key,), entry(10))
+    assert len(cache) == 3 and cache.take((0,)) is None  # the oldest went
+    assert cache.take((3,)) is not None and cache.take((3,)) is None  # an entry is used once
+    assert (cache.hits, cache.misses) == (1, 2)
+    cache.put((5,), entry(40))  # larger than the budget on its own: nothing is kept
+    assert len(cache) == 0
+    off = SegmentKVCache(max_bytes=0)
+    off.put((1,), entry(1))
+    assert len(off) == 0

@@ -67,6 +67,16 @@ class EngineConfig(_Section):
         "always reload the folder.",
     )
 
+    kv_cache_mb: float = Field(
+        256,
+        ge=0,
+        description="'hf' engine: memory for the keys and values of unfinished samples, kept from one segment to "
+        "the next so that a sample's next segment starts without re-encoding its prompt and prefix; the rows "
+        "of a segment batch that share a prompt (a group) are encoded once. Loading new weights empties it, so "
+        "what is decoded is what a fresh prefill would decode (marsrl_core/engines/kv_cache.py). 0 turns it "
+        "off. vLLM keeps its own prefix cache.",
+    )
+
     @model_validator(mode="after")
     def _memory_sync_in_process(self) -> EngineConfig:
         if self.weight_sync == "memory" and self.name == "vllm" and self.tensor_parallel_size > 1:

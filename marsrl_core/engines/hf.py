@@ -14,8 +14,11 @@ checkpoint is read from safetensors only, never from pickle, and with `pread` ra
 default mmap: safetensors 0.8.0's mmap path keeps about 1.2 KB of Python objects alive per file opened,
 which a rollout reloading weights at every policy version accumulates (`tests/test_engine_hf.py`).
 
-Deliberate simplifications: no paged attention or continuous batching (that is vLLM's job); the cache
-is rebuilt at every segment (the prefix is re-encoded once per segment, not per token).
+An unfinished sample's keys and values are kept for its next segment, and a batch's rows that share
+a context (a group's prompt) are prefilled once (`kv_cache.py`); loading new weights drops them.
+
+Deliberate simplifications: no paged attention or continuous batching (that is vLLM's job); a
+segment batch is left-padded to its longest row.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, SegmentResult, derive_seed
+from marsrl_core.engines.kv_cache import LayerKV, SegmentKVCache, batch_cache, prefill_contexts, rows_kv
+from marsrl_core.timings import timed
 
 
 def load_model_folder(
@@ -111,7 +116,15 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 class HFEngine:
     """transformers model + tokenizer behind the segment interface."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, policy_version: int = 0, stop_strings: Sequence[str] = ()):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        policy_version: int = 0,
+        stop_strings: Sequence[str] = (),
+        kv_cache_mb: float = 256,
+    ):
         self.model, self.tokenizer = model.eval(), tokenizer
         self.policy_version = policy_version
         self.stop_strings = tuple(stop_strings)
@@ -123,6 +136,7 @@ class HFEngine:
         # Sampling needs the logits of the last position only: at a segment's prefill the others would be
         # a [batch x prompt x vocabulary] tensor (2.9 GB for 16 prompts of 300 tokens and a 152K vocabulary).
         self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.kv_cache = SegmentKVCache(int(kv_cache_mb * 2**20))  # unfinished samples' contexts (kv_cache.py)
 
     @classmethod
     def from_pretrained(
@@ -149,6 +163,7 @@ class HFEngine:
     def update_weights(self, version: int, weights: dict[str, torch.Tensor] | str | Path) -> None:
         """Load new weights in place (a state dict, or a checkpoint folder's safetensors)."""
         state = weights if isinstance(weights, dict) else load_safetensors_state(weights)
+        self.kv_cache.clear()  # keys and values of the old weights
         with torch.no_grad():
             missing, unexpected = self.model.load_state_dict(state, strict=False)
         # Tied parameters (e.g. lm_head sharing the input embeddings) are saved once: a key missing
@@ -180,21 +195,22 @@ class HFEngine:
             return []
         self._check_lengths(requests)
         device, batch = self.device, len(requests)
-        sequences = [list(r.prompt_ids) + list(r.prefix_ids) for r in requests]
-        width = max(len(s) for s in sequences)
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros((batch, width), dtype=torch.long, device=device)
-        for i, seq in enumerate(sequences):
-            input_ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-            mask[i, width - len(seq) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        sequences = [tuple(r.prompt_ids) + tuple(r.prefix_ids) for r in requests]
+        # Each row's context (all its tokens but the last) comes from the cache or a prefill; the first
+        # step feeds the last tokens.
+        lengths = [len(s) - 1 for s in sequences]
+        width = max(lengths)
+        cache = batch_cache(self._contexts(sequences), width) if width else None
+        mask = torch.zeros((batch, width + 1), dtype=torch.long, device=device)
+        for i, length in enumerate(lengths):
+            mask[i, width - length :] = 1
+        step_ids = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)[:, None]
+        step_pos = torch.tensor(lengths, dtype=torch.long, device=device)[:, None]
         generators = [self._generator(r.sampling, len(r.prefix_ids)) for r in requests]
         new_tokens: list[list[int]] = [[] for _ in requests]
         new_logprobs: list[list[float]] = [[] for _ in requests]
         finished = [False] * batch
         active = [True] * batch
-        cache = None
-        step_ids, step_pos = input_ids, positions
         for _ in range(max(r.max_new_tokens for r in requests)):
             keep = {"logits_to_keep": 1} if self.last_logits_only else {}
             out = self.model(
@@ -223,8 +239,30 @@ class HFEngine:
             if not any(active):
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
-            step_ids, step_pos = next_ids[:, None], step_pos[:, -1:] + 1
+            step_ids, step_pos = next_ids[:, None], step_pos + 1
+        for i in range(batch):  # an unfinished row's context for its next segment: slots up to its last token
+            if not finished[i]:
+                start, end = width - lengths[i], width + len(new_tokens[i])
+                self.kv_cache.put(sequences[i] + tuple(new_tokens[i]), rows_kv(cache, i, start, end))
         return [SegmentResult(t, lp, f, self.policy_version) for t, lp, f in zip(new_tokens, new_logprobs, finished)]
+
+    def _contexts(self, sequences: list[tuple[int, ...]]) -> list[LayerKV | None]:
+        """Each row's context keys and values (None where it is empty): kept from the row's previous
+        segment, else prefilled, one prefill row per distinct context."""
+        contexts: list[LayerKV | None] = [None] * len(sequences)
+        missing: dict[tuple[int, ...], list[int]] = {}
+        for i, sequence in enumerate(sequences):
+            if len(sequence) > 1:
+                contexts[i] = self.kv_cache.take(sequence)
+                if contexts[i] is None:
+                    missing.setdefault(sequence[:-1], []).append(i)
+        if missing:
+            with timed("rollout.prefill"):
+                encoded = prefill_contexts(self.model, list(missing), self.pad_id, self.device, self.last_logits_only)
+            for rows, kv in zip(missing.values(), encoded):
+                for i in rows:
+                    contexts[i] = kv
+        return contexts
 
     def _generator(self, sampling: SamplingParams, offset: int) -> torch.Generator | None:
         if sampling.seed is None:
