@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, each [heads, tokens, head_dim]
 
@@ -94,11 +94,14 @@ def rows_kv(cache: DynamicCache, row: int, start: int, end: int) -> LayerKV:
     return [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone()) for layer in cache.layers]
 
 
-def batch_cache(contexts: Sequence[LayerKV | None], width: int) -> DynamicCache:
-    """One cache of `width` slots holding each row's context keys and values right-aligned (left padding);
-    None: a row with an empty context. At least one row has one."""
+def batch_cache(config, contexts: Sequence[LayerKV | None], width: int, capacity: int) -> StaticCache:
+    """A cache of `capacity` slots, preallocated (a decode step writes its keys in place, where a growing
+    cache copies itself at every step), holding each row's context keys and values in its first `width`
+    slots, right-aligned (left padding); None: a row with an empty context."""
+    cache = StaticCache(config=config, max_cache_len=capacity)
+    if width == 0:
+        return cache
     template = next(kv for kv in contexts if kv is not None)
-    cache = DynamicCache()
     for layer, (keys0, values0) in enumerate(template):
         heads, _, dim = keys0.shape
         keys = keys0.new_zeros((len(contexts), heads, width, dim))
