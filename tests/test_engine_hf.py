@@ -277,3 +277,30 @@ def test_the_kv_cache_evicts_the_oldest_entries_past_its_budget():
     off = SegmentKVCache(max_bytes=0)
     off.put((1,), entry(1))
     assert len(off) == 0
+
+
+def test_a_batch_drops_its_ended_rows_and_decodes_the_rest_as_alone(folder):
+    """Rows that end early (a short segment, or EOS) leave the batch; the rows still decoding, and the
+    next segments continued from the kept contexts, sample what each would alone, re-encoded."""
+    engine, alone = HFEngine.from_pretrained(folder), HFEngine.from_pretrained(folder, kv_cache_mb=0)
+    prompts = _ids(engine, "S|1+2|", "S|3+4+5|", "V|9|x|", "C|1|y|z|", "S|7+7+7+7|", "V|2+2|")
+    budgets = [3, 5, 12, 12, 4, 12]  # three rows end before the others: the batch drops them
+    shapes: list[int] = []
+    hook = engine.model.get_input_embeddings().register_forward_hook(lambda m, i, out: shapes.append(out.shape[0]))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    try:
+        for _ in range(2):  # a second segment continues each row from its kept context
+            requests = [
+                SegmentRequest(p, o, b, SamplingParams(temperature=1.0, seed=k))
+                for k, (p, o, b) in enumerate(zip(prompts, outputs, budgets))
+            ]
+            together = engine.decode_segment(requests)
+            single = [alone.decode_segment([r])[0] for r in requests]
+            for output, a, b in zip(outputs, together, single):
+                assert a.token_ids == b.token_ids and a.finished == b.finished
+                assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+                output.extend(a.token_ids)
+    finally:
+        hook.remove()
+    assert min(shapes) < len(prompts)  # some token steps ran on fewer rows than the batch
+    assert engine.kv_cache.hits > 0

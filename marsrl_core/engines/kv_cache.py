@@ -113,3 +113,9 @@ def batch_cache(config, contexts: Sequence[LayerKV | None], width: int, capacity
                 values[row, :, width - length :] = kv[layer][1]
         cache.update(keys, values, layer)
     return cache
+
+
+def keep_rows(cache: StaticCache, rows: torch.Tensor) -> None:
+    """Keep only batch rows `rows` of a preallocated cache (its layers' key and value buffers, copied)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
