@@ -98,16 +98,24 @@ class Runtime:
         """The engine for `agent` ("policy" when one model serves all agents), loaded on first use."""
         folder = policy_folder(cfg)
         key = (str(folder), cfg.engine.name, agent)
+        return self._load_once(self._engines, key, lambda: BatchingEngine(make_engine(cfg, folder)))
+
+    def _load_once(self, loaded: dict, key: Any, build: Any, install: Any = None) -> Any:
+        """`loaded[key]`, made by `build()` on first use. Loads run one at a time under the loading lock
+        (transformers' lazy imports race across threads); the runtime's lock is held only to look up and
+        to insert, with `install(value)` (when given) run under that same hold."""
         with self._lock:
-            if key in self._engines:
-                return self._engines[key]
+            if key in loaded:
+                return loaded[key]
         with self._loading:
             with self._lock:
-                if key in self._engines:  # another thread loaded it while this one waited
-                    return self._engines[key]
-            engine = BatchingEngine(make_engine(cfg, folder))
+                if key in loaded:  # another thread loaded it while this one waited
+                    return loaded[key]
+            value = build()
             with self._lock:
-                return self._engines.setdefault(key, engine)
+                if install is not None:
+                    install(value)
+                return loaded.setdefault(key, value)
 
     def use_engine(self, cfg: MarsRLConfig, engine: Any, agent: str = "policy") -> BatchingEngine:
         """Make `engine` (any object with the engine interface: `decode_segment`, `update_weights`,
@@ -206,21 +214,17 @@ class Runtime:
         """The run's learner (under the run's learner lease), resumed from its last committed version
         when first built. The build (seconds: model, optimizer, a resume's checkpoint) holds the
         model-loading lock, not the runtime's, so the process's stores and decode loops serve meanwhile."""
-        with self._lock:
-            if run_id in self._learners:
-                return self._learners[run_id]
-        with self._loading:
-            with self._lock:
-                if run_id in self._learners:  # another thread built it while this one waited
-                    return self._learners[run_id]
+
+        def build() -> Learner:
             with timed("learner.build"):
-                learner = self._build_learner(cfg, run_id)
-            with self._lock:
-                channel = self._channels.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
-                if channel is not None:  # a resume voids the versions after the last durable one
-                    channel.rolled_back(learner.step)
-                self._learners[run_id] = learner
-            return learner
+                return self._build_learner(cfg, run_id)
+
+        def rolled_back(learner: Learner) -> None:  # a resume voids the versions after the last durable one
+            channel = self._channels.get((cfg.store.catalog_url, cfg.store.data_path, run_id))
+            if channel is not None:
+                channel.rolled_back(learner.step)
+
+        return self._load_once(self._learners, run_id, build, rolled_back)
 
     def _build_learner(self, cfg: MarsRLConfig, run_id: str) -> Learner:
         from transformers import AutoTokenizer
