@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -304,3 +305,48 @@ def test_a_batch_drops_its_ended_rows_and_decodes_the_rest_as_alone(folder):
         hook.remove()
     assert min(shapes) < len(prompts)  # some token steps ran on fewer rows than the batch
     assert engine.kv_cache.hits > 0
+
+
+def test_a_sliding_window_model_decodes_its_rows_whole(tmp_path):
+    """A sliding-window layer's cache holds only its window, so no context is kept or joined: left-padded
+    rows, ended rows dropped, still decode what one token at a time over the whole sequence decodes."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from marsrl_core.demo.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **shape,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    engine = HFEngine(model, tok)
+    assert not engine.keeps_contexts
+    engine.eos_id = -1
+    prompts, budgets = [list(range(5, 17)), [20, 21, 22], [30, 31, 32, 33, 34]], [4, 14, 14]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for _ in range(2):
+        requests = [
+            SegmentRequest(p, o, b - len(o), GREEDY) for p, o, b in zip(prompts, outputs, budgets) if len(o) < b
+        ]
+        live = [o for o, b in zip(outputs, budgets) if len(o) < b]
+        for output, result in zip(
+            live, engine.decode_segment([replace(r, max_new_tokens=min(r.max_new_tokens, 7)) for r in requests])
+        ):
+            output.extend(result.token_ids)
+    for prompt, output, budget in zip(prompts, outputs, budgets):
+        ids = list(prompt)
+        for _ in range(len(output)):
+            with torch.no_grad():
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert output == ids[len(prompt) :] and len(output) == min(budget, 14)
+    assert len(engine.kv_cache) == 0

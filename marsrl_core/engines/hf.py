@@ -21,6 +21,9 @@ A segment's keys and values go into a cache preallocated for the whole segment (
 `StaticCache`): a growing cache copies itself at every token step, which on the tiny preset's
 three-agent segments took 38% of the decode's CPU time (`aten::cat`, profiled ad hoc).
 
+A model with sliding-window layers (whose cache keeps only the window) keeps no context and encodes
+each segment's rows whole, in a growing cache.
+
 Once a quarter of a segment batch's rows have ended (EOS, a stop string, or their segment full), the
 batch drops them, so the token steps that follow compute only rows still decoding.
 
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from transformers import DynamicCache
 
 from marsrl_core.engines.base import EngineError, SamplingParams, SegmentRequest, SegmentResult, derive_seed
 from marsrl_core.engines.kv_cache import (
@@ -152,6 +156,13 @@ class HFEngine:
         # a [batch x prompt x vocabulary] tensor (2.9 GB for 16 prompts of 300 tokens and a 152K vocabulary).
         self.last_logits_only = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.kv_cache = SegmentKVCache(int(kv_cache_mb * 2**20))  # unfinished samples' contexts (kv_cache.py)
+        # A sliding-window layer's cache holds only its window, so contexts cannot be cut out of it or joined.
+        types = getattr(model.config, "layer_types", None)
+        self.keeps_contexts = (
+            all(t == "full_attention" for t in types)
+            if types is not None
+            else getattr(model.config, "sliding_window", None) is None
+        )
 
     @classmethod
     def from_pretrained(
@@ -211,16 +222,30 @@ class HFEngine:
         self._check_lengths(requests)
         device, batch = self.device, len(requests)
         sequences = [tuple(r.prompt_ids) + tuple(r.prefix_ids) for r in requests]
-        # Each row's context (all its tokens but the last) comes from the cache or a prefill; the first
-        # step feeds the last tokens.
-        lengths = [len(s) - 1 for s in sequences]
-        width, steps = max(lengths), max(r.max_new_tokens for r in requests)
-        cache = batch_cache(self.model.config, self._contexts(sequences), width, width + steps)
-        mask = torch.zeros((batch, width + steps), dtype=torch.long, device=device)  # the cache's slots in use
-        for i, length in enumerate(lengths):
-            mask[i, width - length : width + 1] = 1
-        step_ids = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)[:, None]
-        step_pos = torch.tensor(lengths, dtype=torch.long, device=device)[:, None]
+        steps = max(r.max_new_tokens for r in requests)
+        if self.keeps_contexts:
+            # Each row's context (all its tokens but the last) comes from the cache or a prefill, in a cache
+            # preallocated for the segment; the first step feeds the last tokens.
+            lengths = [len(s) - 1 for s in sequences]
+            width = max(lengths)
+            cache = batch_cache(self.model.config, self._contexts(sequences), width, width + steps)
+            mask = torch.zeros((batch, width + steps), dtype=torch.long, device=device)  # the cache's slots in use
+            for i, length in enumerate(lengths):
+                mask[i, width - length : width + 1] = 1
+            step_ids = torch.tensor([s[-1] for s in sequences], dtype=torch.long, device=device)[:, None]
+            step_pos = torch.tensor(lengths, dtype=torch.long, device=device)[:, None]
+        else:
+            # Sliding-window layers keep only their window of a row: the first step encodes the whole
+            # left-padded rows into a growing cache, and no context is kept.
+            lengths = [len(s) for s in sequences]
+            width = max(lengths)
+            cache = DynamicCache()
+            step_ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=device)
+            mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+            for i, sequence in enumerate(sequences):
+                step_ids[i, width - len(sequence) :] = torch.tensor(sequence, dtype=torch.long)
+                mask[i, width - len(sequence) :] = 1
+            step_pos = (mask.cumsum(-1) - 1).clamp(min=0)
         generators = [self._generator(r.sampling, len(r.prefix_ids)) for r in requests]
         new_tokens: list[list[int]] = [[] for _ in requests]
         new_logprobs: list[list[float]] = [[] for _ in requests]
@@ -229,7 +254,7 @@ class HFEngine:
         rows = list(range(batch))  # the request of each row of the model's batch
 
         def keep_context(row: int, i: int) -> None:  # an unfinished output's context for its next segment
-            if not finished[i]:
+            if self.keeps_contexts and not finished[i]:
                 start, end = width - lengths[i], width + len(new_tokens[i])
                 self.kv_cache.put(sequences[i] + tuple(new_tokens[i]), rows_kv(cache, row, start, end))
 
@@ -240,8 +265,8 @@ class HFEngine:
                 attention_mask=mask,
                 position_ids=step_pos,
                 past_key_values=cache,
-                cache_position=torch.tensor([width + step], device=device),
                 use_cache=True,
+                **({"cache_position": torch.tensor([width + step], device=device)} if self.keeps_contexts else {}),
                 **keep,
             )
             logits = out.logits[:, -1, :].float()
@@ -261,8 +286,11 @@ class HFEngine:
                     active[i] = False
             if not any(active):
                 break
-            mask[:, width + step + 1] = 1
-            step_ids, step_pos = next_ids[:, None], step_pos + 1
+            if self.keeps_contexts:
+                mask[:, width + step + 1] = 1
+            else:
+                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
+            step_ids, step_pos = next_ids[:, None], step_pos[:, -1:] + 1
             ended = [row for row, i in enumerate(rows) if not active[i]]
             if 4 * len(ended) >= len(rows):  # a quarter of the rows decode nothing more: the batch drops them
                 for row in ended:
