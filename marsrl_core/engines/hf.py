@@ -18,8 +18,7 @@ An unfinished sample's keys and values are kept for its next segment, and a batc
 a context (a group's prompt) are prefilled once (`kv_cache.py`); loading new weights drops them.
 
 A segment's keys and values go into a cache preallocated for the whole segment (transformers'
-`StaticCache`): a growing cache copies itself at every token step, which on the tiny preset's
-three-agent segments took 38% of the decode's CPU time (`aten::cat`, profiled ad hoc).
+`StaticCache`), where a growing cache would copy itself at every token step.
 
 A model with sliding-window layers (whose cache keeps only the window) keeps no context and encodes
 each segment's rows whole, in a growing cache.
@@ -50,6 +49,7 @@ from marsrl_core.engines.kv_cache import (
     SegmentKVCache,
     batch_cache,
     keep_rows,
+    left_padded,
     prefill_contexts,
     rows_kv,
 )
@@ -240,12 +240,7 @@ class HFEngine:
             lengths = [len(s) for s in sequences]
             width = max(lengths)
             cache = DynamicCache()
-            step_ids = torch.full((batch, width), self.pad_id, dtype=torch.long, device=device)
-            mask = torch.zeros((batch, width), dtype=torch.long, device=device)
-            for i, sequence in enumerate(sequences):
-                step_ids[i, width - len(sequence) :] = torch.tensor(sequence, dtype=torch.long)
-                mask[i, width - len(sequence) :] = 1
-            step_pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            step_ids, mask, step_pos = left_padded(sequences, self.pad_id, device)
         generators = [self._generator(r.sampling, len(r.prefix_ids)) for r in requests]
         new_tokens: list[list[int]] = [[] for _ in requests]
         new_logprobs: list[list[float]] = [[] for _ in requests]

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import Cache, StaticCache
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys and values, each [heads, tokens, head_dim]
 
@@ -77,19 +77,28 @@ def prefill_contexts(
 ) -> list[LayerKV]:
     """Each context's keys and values (`contexts` distinct and non-empty), encoded as one left-padded batch;
     `logits_to_keep`: the model's forward takes that argument (its logits are not used)."""
-    width = max(len(c) for c in contexts)
-    input_ids = torch.full((len(contexts), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long, device=device)
-    for i, context in enumerate(contexts):
-        input_ids[i, width - len(context) :] = torch.tensor(context, dtype=torch.long)
-        mask[i, width - len(context) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    input_ids, mask, positions = left_padded(contexts, pad_id, device)
+    width = input_ids.shape[1]
     keep = {"logits_to_keep": 1} if logits_to_keep else {}
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **keep)
     return [rows_kv(out.past_key_values, i, width - len(c), width) for i, c in enumerate(contexts)]
 
 
-def rows_kv(cache: DynamicCache, row: int, start: int, end: int) -> LayerKV:
+def left_padded(
+    sequences: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask and position ids of `sequences` left-padded to the longest; positions
+    count from each row's first token, so padding does not shift RoPE."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
+    for i, sequence in enumerate(sequences):
+        input_ids[i, width - len(sequence) :] = torch.tensor(sequence, dtype=torch.long)
+        mask[i, width - len(sequence) :] = 1
+    return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def rows_kv(cache: Cache, row: int, start: int, end: int) -> LayerKV:
     """Row `row`'s keys and values at cache slots [start, end), copied out of the batch's cache."""
     return [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone()) for layer in cache.layers]
 
@@ -115,7 +124,7 @@ def batch_cache(config, contexts: Sequence[LayerKV | None], width: int, capacity
     return cache
 
 
-def keep_rows(cache: StaticCache, rows: torch.Tensor) -> None:
-    """Keep only batch rows `rows` of a preallocated cache (its layers' key and value buffers, copied)."""
+def keep_rows(cache: Cache, rows: torch.Tensor) -> None:
+    """Keep only batch rows `rows` of a cache (its layers' keys and values, copied)."""
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[rows], layer.values[rows]
